@@ -1,0 +1,84 @@
+"""Ragged attention metadata, in the layout flashinfer's paged prefill takes.
+
+For a batch of ``bs`` requests, request ``i`` contributes ``qo_len[i]`` query tokens
+(flattened in batch order) that attend to ``kv_len[i]`` KV positions whose token-pool
+slots are ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]`` (position order).  The new tokens'
+K/V are written to the pool before attention, so ``kv_len`` includes them.
+
+Without ``custom_mask`` attention is causal with the queries at the end of the KV:
+query ``j`` of request ``i`` sits at position ``kv_len[i] - qo_len[i] + j``.
+With ``custom_mask`` (bool, flattened per request as ``[qo_len[i], kv_len[i]]``
+row-major, concatenated) the mask is taken as given: this is how tree verify works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [bs + 1] int64, on device
+    kv_indptr: torch.Tensor  # [bs + 1] int64, on device
+    kv_indices: torch.Tensor  # [sum(kv_len)] int64 token-pool slots, on device
+    qo_lens: tuple[int, ...]  # host copies, used for padding and planning
+    kv_lens: tuple[int, ...]
+    custom_mask: torch.Tensor | None = None  # [sum(qo_len[i] * kv_len[i])] bool
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.qo_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query per request and no custom mask (the paged decode kernels' case)."""
+        return self.custom_mask is None and all(q == 1 for q in self.qo_lens)
+
+
+def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    if lens:
+        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return out.to(device)
+
+
+def gather_kv_indices(
+    req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: list[int]
+) -> torch.Tensor:
+    """Slots of positions ``[0, kv_len[i])`` of each request row, concatenated.
+
+    req_to_token: [num_rows, width] int32; rows: [bs] row ids.
+    """
+    if not kv_lens:
+        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+    max_len = max(kv_lens)
+    lens = torch.tensor(kv_lens, device=req_to_token.device)
+    table = req_to_token[rows.to(req_to_token.device), :max_len]  # [bs, max_len]
+    keep = torch.arange(max_len, device=req_to_token.device)[None, :] < lens[:, None]
+    return table[keep].to(torch.int64)
+
+
+def build_attention_metadata(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    qo_lens: list[int],
+    kv_lens: list[int],
+    custom_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Build metadata for requests in ``rows`` reading KV through ``req_to_token``."""
+    if len(qo_lens) != len(kv_lens):
+        raise ValueError("qo_lens and kv_lens must have one entry per request")
+    for q, k in zip(qo_lens, kv_lens, strict=True):
+        if q > k:
+            raise ValueError(f"query length {q} exceeds kv length {k}")
+    device = req_to_token.device
+    return AttentionMetadata(
+        qo_indptr=_indptr(qo_lens, device),
+        kv_indptr=_indptr(kv_lens, device),
+        kv_indices=gather_kv_indices(req_to_token, rows, kv_lens),
+        qo_lens=tuple(qo_lens),
+        kv_lens=tuple(kv_lens),
+        custom_mask=custom_mask,
+    )

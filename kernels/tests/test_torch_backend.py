@@ -1,0 +1,80 @@
+"""The torch reference backend against dense per-request attention."""
+
+import math
+
+import pytest
+import torch
+
+from specd.kernels import build_attention_metadata, get_backend, resolve_backend_name
+
+
+def dense_attention(q, k, v, mask, scale):
+    """q [q, H, D], k/v [kv, Hkv, D], mask [q, kv] -> [q, H, D] (explicit softmax)."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_case(qo_lens, kv_lens, heads=4, kv_heads=2, dim=8, slots=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_buf = torch.randn(slots, kv_heads, dim, generator=g)
+    v_buf = torch.randn(slots, kv_heads, dim, generator=g)
+    width = max(kv_lens) + 3
+    req_to_token = torch.zeros(len(kv_lens), width, dtype=torch.int64)
+    perm = torch.randperm(slots, generator=g)
+    used = 0
+    for i, n in enumerate(kv_lens):  # scattered, non-contiguous slots
+        req_to_token[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn(sum(qo_lens), heads, dim, generator=g)
+    return q, k_buf, v_buf, req_to_token
+
+
+@pytest.mark.parametrize(
+    "qo_lens,kv_lens",
+    [
+        pytest.param([1, 1, 1], [5, 9, 1], id="decode"),
+        pytest.param([7, 3], [7, 10], id="prefill-with-cached-prefix"),
+        pytest.param([1, 6, 1, 4], [12, 6, 3, 9], id="mixed"),
+    ],
+)
+def test_causal_matches_dense(qo_lens, kv_lens):
+    q, k_buf, v_buf, r2t = make_case(qo_lens, kv_lens)
+    meta = build_attention_metadata(r2t, torch.arange(len(kv_lens)), qo_lens, kv_lens)
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = get_backend("torch").forward(q, k_buf, v_buf, meta, scale)
+    start = 0
+    for i, (ql, kl) in enumerate(zip(qo_lens, kv_lens, strict=True)):
+        slots = r2t[i, :kl]
+        mask = torch.arange(kl)[None, :] <= torch.arange(kl - ql, kl)[:, None]
+        ref = dense_attention(q[start : start + ql], k_buf[slots], v_buf[slots], mask, scale)
+        torch.testing.assert_close(out[start : start + ql], ref, atol=1e-5, rtol=1e-5)
+        start += ql
+
+
+def test_custom_mask_is_used_as_given():
+    qo_lens, kv_lens = [3, 1], [6, 4]
+    q, k_buf, v_buf, r2t = make_case(qo_lens, kv_lens, seed=1)
+    masks = [torch.rand(3, 6) > 0.4, torch.rand(1, 4) > 0.4]
+    for m in masks:
+        m[:, 0] = True
+    flat = torch.cat([m.flatten() for m in masks])
+    meta = build_attention_metadata(r2t, torch.arange(2), qo_lens, kv_lens, custom_mask=flat)
+    out = get_backend("torch").forward(q, k_buf, v_buf, meta, 0.3)
+    ref0 = dense_attention(q[:3], k_buf[r2t[0, :6]], v_buf[r2t[0, :6]], masks[0], 0.3)
+    ref1 = dense_attention(q[3:], k_buf[r2t[1, :4]], v_buf[r2t[1, :4]], masks[1], 0.3)
+    torch.testing.assert_close(out, torch.cat([ref0, ref1]), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_resolution_names_the_field():
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="spec.attentionBackend.*available"):
+        resolve_backend_name("nope", "cpu")
+
+
+def test_query_longer_than_kv_is_refused():
+    with pytest.raises(ValueError, match="exceeds kv length"):
+        build_attention_metadata(torch.zeros(1, 4, dtype=torch.int64), torch.arange(1), [3], [2])

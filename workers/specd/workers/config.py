@@ -1,0 +1,246 @@
+"""The `SpecDecodeDeployment` schema (DESIGN §4), loaded from YAML.
+
+Torch-free on purpose: the operator imports this module to validate specs.
+Field names are camelCase in YAML and snake_case in Python.  Unknown fields are
+rejected; every error names the field path (``spec.kvCache.pageSize``) and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "specd.dev"
+API_VERSION = "v1alpha1"
+KIND = "SpecDecodeDeployment"
+
+
+class ConfigError(ValueError):
+    """A spec that cannot be served; the message names the field and the fix."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
+    )
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ModelSpec(_Spec):
+    path: str = Field(min_length=1, description="Local Hugging Face folder of the target model")
+    tokenizer: str | None = Field(None, description="Tokenizer folder (default: model path)")
+    dtype: DType = DType.auto
+    context_length: int | None = Field(None, ge=16, description="Override max positions")
+    name: str | None = Field(None, description="Model id served on /v1/models")
+
+
+class DraftAlgorithm(str, Enum):
+    EAGLE = "EAGLE"
+    EAGLE3 = "EAGLE3"
+
+
+class DraftSpec(_Spec):
+    path: str = Field(min_length=1)
+    algorithm: DraftAlgorithm = DraftAlgorithm.EAGLE
+
+
+class AdaptiveSpec(_Spec):
+    enabled: bool = False
+    candidate_steps: list[int] = Field(default_factory=list)
+    ema_alpha: float = Field(0.2, gt=0, le=1)
+    warmup_verifies: int = Field(8, ge=0)
+    update_interval: int = Field(4, ge=1)
+    hysteresis: float = Field(0.25, ge=0)
+
+
+class SpeculativeSpec(_Spec):
+    num_steps: int = Field(3, ge=1, le=16)
+    topk: int = Field(1, ge=1, le=16)
+    num_draft_tokens: int = Field(4, ge=2, le=256)
+    adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
+
+
+class KVCacheSpec(_Spec):
+    page_size: int = Field(1, ge=1, le=256)
+    max_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens")
+    mem_fraction: float | None = Field(
+        None, gt=0, lt=1, description="Share of free GPU memory for the KV pool"
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> KVCacheSpec:
+        if self.max_tokens is not None and self.mem_fraction is not None:
+            raise ValueError("set only one of maxTokens or memFraction")
+        return self
+
+
+class SchedulerSpec(_Spec):
+    chunked_prefill_size: int = Field(
+        512, ge=1, description="Max prompt tokens prefetched per step (one chunk)"
+    )
+    overlap: bool = Field(False, description="Prepare step N+1 while step N runs")
+
+
+class ResourcesSpec(_Spec):
+    gpus: float = Field(0, ge=0)
+    cpu: float = Field(1, ge=0)
+    memory: str | None = None
+
+
+class RaySpec(_Spec):
+    address: str | None = None
+    cluster: dict[str, Any] | None = Field(None, description="RayCluster template overrides")
+
+
+class SessionsSpec(_Spec):
+    enabled: bool = False
+    timeout_seconds: float = Field(300, gt=0)
+
+
+class DebugSpec(_Spec):
+    strict_mem_check: Literal[0, 1, 2] = 0
+
+
+class DeploymentSpec(_Spec):
+    model: ModelSpec
+    draft: DraftSpec | None = None
+    speculative: SpeculativeSpec | None = None
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    attention_backend: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
+    replicas: int = Field(1, ge=0, le=1024)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    max_running_requests: int = Field(64, ge=1, le=4096)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
+    sessions: SessionsSpec = Field(default_factory=SessionsSpec)
+    debug: DebugSpec = Field(default_factory=DebugSpec)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.name or Path(self.model.path).name
+
+    def config_hash(self) -> str:
+        """Hash of everything an engine replica is built from (not `replicas`)."""
+        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
+class Metadata(_Spec):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+
+
+class SpecDecodeDeployment(_Spec):
+    api_version: Literal["specd.dev/v1alpha1"] = Field("specd.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["SpecDecodeDeployment"] = "SpecDecodeDeployment"
+    metadata: Metadata
+    spec: DeploymentSpec
+    status: dict[str, Any] | None = None
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for item in loc:
+        path += f"[{item}]" if isinstance(item, int) else (f".{item}" if path else str(item))
+    return path
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = _field_path(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (remove it or check its spelling)"
+        lines.append(f"{path or '<root>'}: {msg}")
+    return "invalid SpecDecodeDeployment:\n  " + "\n  ".join(lines)
+
+
+def refuse_unsupported(spec: DeploymentSpec) -> None:
+    """Refuse fields that parse but that this build cannot serve yet."""
+    if spec.draft is not None:
+        raise ConfigError(
+            "spec.draft: speculative decoding is not yet supported by this build; "
+            "remove spec.draft to serve the target model alone"
+        )
+    if spec.speculative is not None:
+        raise ConfigError(
+            "spec.speculative: speculative decoding is not yet supported by this build; "
+            "remove spec.speculative"
+        )
+    if spec.sessions.enabled:
+        raise ConfigError(
+            "spec.sessions.enabled: streaming sessions are not yet supported; set it to false"
+        )
+    if spec.scheduler.overlap:
+        raise ConfigError(
+            "spec.scheduler.overlap: overlap scheduling is not yet supported; set it to false"
+        )
+
+
+def parse_deployment(doc: dict[str, Any]) -> SpecDecodeDeployment:
+    """Validate a parsed YAML/JSON document into a deployment (raises ConfigError)."""
+    if not isinstance(doc, dict):
+        raise ConfigError("a SpecDecodeDeployment must be a mapping with apiVersion, kind, metadata, spec")
+    try:
+        sdd = SpecDecodeDeployment.model_validate(doc)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    refuse_unsupported(sdd.spec)
+    return sdd
+
+
+def load_deployment(path: str | Path) -> SpecDecodeDeployment:
+    """Load a `SpecDecodeDeployment` YAML file; relative model paths resolve against it."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    sdd = parse_deployment(doc)
+    return resolve_paths(sdd, path.parent)
+
+
+def resolve_paths(sdd: SpecDecodeDeployment, base: Path) -> SpecDecodeDeployment:
+    """Make model/tokenizer/draft paths absolute, relative to `base`."""
+
+    def absolute(p: str | None) -> str | None:
+        if p is None or Path(p).is_absolute():
+            return p
+        return str((base / p).resolve())
+
+    spec = sdd.spec
+    model = spec.model.model_copy(
+        update={"path": absolute(spec.model.path), "tokenizer": absolute(spec.model.tokenizer)}
+    )
+    update: dict[str, Any] = {"model": model}
+    if spec.draft is not None:
+        update["draft"] = spec.draft.model_copy(update={"path": absolute(spec.draft.path)})
+    return sdd.model_copy(update={"spec": spec.model_copy(update=update)})
+
+
+def spec_for_model(model_path: str, name: str = "local", **spec: Any) -> DeploymentSpec:
+    """A validated spec serving ``model_path`` (camelCase ``spec`` fields override).
+
+    Used by ``specd generate`` and tests, which have a model folder but no YAML file.
+    """
+    spec = {**spec, "model": {"path": model_path, **spec.get("model", {})}}
+    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": spec}
+    return parse_deployment(doc).spec

@@ -1,0 +1,1 @@
+"""The engine: one model replica's loop (scheduler + KV + model runner + metrics)."""

@@ -1,0 +1,322 @@
+"""One model replica: the loop thread that runs scheduler steps, and its async front.
+
+Requests enter through ``generate`` (an async generator of ``GenerateDelta``) and
+``abort``; both only post to an inbox.  The loop thread is the single owner of the
+scheduler, the KV memory and the model: it drains the inbox between steps, runs one
+step, and posts deltas back to each request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from specd.kernels import get_backend
+from specd.workers.config import DeploymentSpec
+from specd.workers.engine.detokenizer import IncrementalDetokenizer
+from specd.workers.engine.model_runner import ModelRunner
+from specd.workers.engine.types import (
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequest,
+    Usage,
+)
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.mem_cache.sizing import ceil_page, kv_pool_tokens, row_width
+from specd.workers.metrics import EngineMetrics
+from specd.workers.model.loader import load_model
+from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
+from specd.workers.scheduler.request import Req
+from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+def pick_device(spec: DeploymentSpec) -> str:
+    return "cuda" if spec.resources.gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where a request's deltas go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    req: Req
+    detok: IncrementalDetokenizer
+    sent_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, spec: DeploymentSpec, *, replica: str = "0", device: str | None = None):
+        self.spec = spec
+        self.replica = replica
+        self.device = torch.device(device or pick_device(spec))
+        self.metrics = EngineMetrics(replica)
+        self.config_hash = spec.config_hash()
+        self.healthy = True
+        self.last_error: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._status: dict = {}
+
+    # -- construction ------------------------------------------------------
+    def start(self) -> None:
+        """Load tokenizer and model, size the KV memory, start the loop thread."""
+        spec = self.spec
+        self.tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.path)
+        self.model, self.model_config = load_model(
+            spec.model.path, dtype=spec.model.dtype.value, device=str(self.device)
+        )
+        self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
+        self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
+        self._build_memory()
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running_requests=spec.max_running_requests,
+                chunked_prefill_size=spec.scheduler.chunked_prefill_size,
+                context_length=self.context_length,
+                eos_token_ids=self.eos_token_ids,
+            ),
+            self.kv,
+        )
+        self._refresh_status()
+        self._thread = threading.Thread(target=self._loop, name=f"specd-engine-{self.replica}", daemon=True)
+        self._thread.start()
+
+    def _build_memory(self) -> None:
+        cfg, spec = self.model_config, self.spec
+        page = spec.kv_cache.page_size
+        dtype = next(self.model.parameters()).dtype
+        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        free_bytes = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, self.context_length)
+        num_pages = tokens // page
+        self.allocator = PagedTokenAllocator(num_pages, page)
+        self.req_pool = ReqToTokenPool(
+            spec.max_running_requests, row_width(self.context_length, None, page), self.device
+        )
+        self.kv = KVManager(self.req_pool, self.allocator)
+        self.kv_pool = KVPool(
+            cfg.num_hidden_layers, num_pages * page, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device
+        )
+        backend = get_backend(spec.attention_backend, self.device.type)
+        self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
+        self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
+
+    # -- public API (any thread / event loop) --------------------------------
+    def validate(self, req: GenerateRequest) -> None:
+        """Raise ``InvalidRequest`` naming the field if ``req`` cannot be served."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("prompt: must contain at least one token")
+        if n >= self.context_length:
+            raise InvalidRequest(
+                f"prompt: {n} tokens do not fit the context length {self.context_length} "
+                "(leave room for at least one output token)"
+            )
+        vocab = self.model_config.vocab_size
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
+        if req.params.max_tokens < 1:
+            raise InvalidRequest("max_tokens: must be at least 1")
+        need = ceil_page(min(n + req.params.max_tokens, self.context_length), self.kv.page_size)
+        if need > self.allocator.total_tokens:
+            raise InvalidRequest(
+                f"max_tokens: prompt + max_tokens needs {need} KV slots but the pool holds "
+                f"{self.allocator.total_tokens} (spec.kvCache.maxTokens); lower max_tokens"
+            )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream deltas until one is finished; leaving early aborts the request."""
+        if not self.healthy:
+            yield self._error_delta(request.rid, f"engine unhealthy: {self.last_error}", 503)
+            return
+        try:
+            self.validate(request)
+        except InvalidRequest as err:
+            yield self._error_delta(request.rid, str(err), 400)
+            return
+        req = Req(rid=request.rid or uuid.uuid4().hex, prompt_ids=list(request.prompt_ids), params=request.params)
+        detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), request.params.stop)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), req, detok)
+        self._post(("add", stream))
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.queue.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._post(("abort", rid))
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.exposition()
+
+    def status(self) -> dict:
+        return dict(self._status, healthy=self.healthy, last_error=self.last_error)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @staticmethod
+    def _error_delta(rid: str, message: str, code: int) -> GenerateDelta:
+        return GenerateDelta(
+            rid=rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_code=code
+        )
+
+    def _post(self, item) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
+    # -- loop thread ---------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.scheduler.has_work():
+                    self._refresh_status()
+                    self._on_idle()
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self.step()
+        except Exception as err:  # the loop must never die silently
+            log.exception("engine %s loop failed", self.replica)
+            self.healthy = False
+            self.last_error = f"{type(err).__name__}: {err}"
+            self.metrics.engine_healthy.set(0)
+        finally:
+            self._abort_all()
+
+    def step(self) -> None:
+        """Schedule, run and account one batch."""
+        retractions_before = self.scheduler.num_retractions
+        batch = self.scheduler.schedule()
+        self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
+        if batch is not None:
+            kind = "decode" if all(n == 1 for n in batch.extend_lens) else "extend"
+            self.metrics.steps.labels(self.replica, kind).inc()
+            result = self.runner.run(batch)
+            for req in self.scheduler.process_result(batch, result):
+                self._emit(req)
+        self._refresh_status()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._streams[item.req.rid] = item
+                self.scheduler.add(item.req)
+                self.metrics.prompt_tokens.inc(len(item.req.prompt_ids))
+            elif kind == "abort" and (req := self.scheduler.abort(item)) is not None:
+                self.metrics.aborts.inc()
+                self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        """Send ``req``'s new tokens and text; finish it on a stop string."""
+        stream = self._streams.get(req.rid)
+        if stream is None:
+            return
+        now = time.monotonic()
+        new_tokens = req.output_ids[stream.sent_tokens :]
+        if new_tokens:
+            self._observe_token_times(req, now, len(new_tokens))
+        text = stream.detok.feed(req.fill_ids, final=req.finished)
+        if stream.detok.stopped and not req.finished:
+            self.scheduler.finish(req, FinishReason.STOP)
+            text += stream.detok.feed(req.fill_ids, final=True)
+        stream.sent_tokens = len(req.output_ids)
+        delta = GenerateDelta(rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished)
+        if req.finished:
+            delta = self._finish_delta(req, delta, now)
+            del self._streams[req.rid]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+        except RuntimeError:  # the consumer's event loop is gone; nobody is listening
+            pass
+
+    def _observe_token_times(self, req: Req, now: float, count: int) -> None:
+        self.metrics.generation_tokens.inc(count)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def _finish_delta(self, req: Req, delta: GenerateDelta, now: float) -> GenerateDelta:
+        self.metrics.e2e.observe(now - req.arrival_time)
+        self.metrics.finished.labels(self.replica, req.finish_reason.value).inc()
+        usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
+        return GenerateDelta(
+            rid=delta.rid, token_ids=delta.token_ids, text=delta.text, finished=True,
+            finish_reason=req.finish_reason, usage=usage, error=req.error,
+        )
+
+    def _on_idle(self) -> None:
+        """Idle leak check: with nothing running, every page and row must be free."""
+        if self.kv.allocator.used_tokens or self.req_pool.num_free != self.req_pool.num_rows:
+            self.healthy = False
+            self.last_error = (
+                f"KV leak at idle: {self.kv.allocator.used_tokens} tokens used, "
+                f"{self.req_pool.num_rows - self.req_pool.num_free} rows held"
+            )
+            self.metrics.engine_healthy.set(0)
+            log.error("engine %s: %s", self.replica, self.last_error)
+            raise RuntimeError(self.last_error)
+        self.kv.check_integrity()
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            req = self._streams[rid].req
+            self.scheduler.finish(req, FinishReason.ABORT if self.healthy else FinishReason.ERROR)
+            if not self.healthy:
+                req.error = self.last_error
+            self._emit(req)
+
+    def _refresh_status(self) -> None:
+        s, a = self.scheduler, self.allocator
+        queued_tokens = sum(r.tokens_to_compute for r in s.waiting)
+        self.metrics.requests_running.set(len(s.running))
+        self.metrics.requests_queued.set(len(s.waiting))
+        self.metrics.kv_tokens_used.set(a.used_tokens)
+        self.metrics.kv_tokens_reserved.set(self.kv.reserved_tokens)
+        self._status = {
+            "replica": self.replica,
+            "config_hash": self.config_hash,
+            "running": len(s.running),
+            "queued": len(s.waiting),
+            "queued_tokens": queued_tokens,
+            "kv_used_tokens": a.used_tokens,
+            "kv_total_tokens": a.total_tokens,
+            "kv_usage": a.used_tokens / a.total_tokens,
+            "retractions": s.num_retractions,
+        }

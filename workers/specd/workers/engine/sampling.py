@@ -1,0 +1,48 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specd.workers.scheduler.request import Req
+
+
+def _generator(req: Req, device: torch.device) -> torch.Generator:
+    """The request's own RNG, created once so a seed reproduces its whole output."""
+    if req.sampler_state is None:
+        seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
+        req.sampler_state = torch.Generator(device=device).manual_seed(seed)
+    return req.sampler_state
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[V] probabilities after temperature, top-k and top-p (nucleus) cuts."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs /= probs.sum()
+    return probs
+
+
+def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    """logits [len(reqs), V] float32 -> one token id per request."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, req in enumerate(reqs):
+        p = req.params
+        if p.greedy:
+            out.append(greedy[i])
+            continue
+        probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
+        out.append(int(torch.multinomial(probs, 1, generator=_generator(req, logits.device))))
+    return out

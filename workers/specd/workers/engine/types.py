@@ -1,0 +1,63 @@
+"""Plain, torch-free values that cross the engine / actor / gateway boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # client disconnect, explicit abort, replica shutdown
+    ERROR = "error"  # rejected request or engine failure (see GenerateDelta.error)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateDelta:
+    """New output since the previous delta of the same request."""
+
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    error_code: int | None = None  # HTTP status a gateway should answer with
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before admitting it (maps to HTTP 400)."""

@@ -1,0 +1,143 @@
+"""Per-request KV bookkeeping: rows, pages, committed and allocated lengths.
+
+A request owns one ``req_to_token`` row and a list of pages.  Position ``p`` of the
+request lives in slot ``pages[p // P] * P + p % P``.  ``kv_committed_len`` counts
+positions that are really its sequence; ``kv_allocated_len >= kv_committed_len``
+counts positions that have slots (the gap is decode reserve / speculative
+over-allocation).  Frees are rounded up to page boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.mem_cache.sizing import ceil_page
+
+
+@dataclass(slots=True)
+class RequestKV:
+    """The KV a request holds: its row, its pages and its two lengths."""
+
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    committed: int = 0
+    allocated: int = 0
+
+    def assert_lengths(self, width: int) -> None:
+        if not 0 <= self.committed <= self.allocated <= width:
+            raise AssertionError(
+                f"KV lengths out of order: committed {self.committed}, "
+                f"allocated {self.allocated}, row width {width}"
+            )
+
+
+class RowWidthExceeded(RuntimeError):
+    """An allocation would write past the end of a request row."""
+
+
+class KVManager:
+    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator):
+        self.req_pool = req_pool
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._live: dict[int, RequestKV] = {}  # row -> holder
+
+    @property
+    def row_width(self) -> int:
+        return self.req_pool.width
+
+    def pages_needed(self, kv: RequestKV, new_allocated: int) -> int:
+        """Pages to take from the pool to grow ``kv`` to ``new_allocated`` positions."""
+        have = ceil_page(kv.allocated, self.page_size) // self.page_size
+        need = ceil_page(new_allocated, self.page_size) // self.page_size
+        return max(0, need - have)
+
+    def grow(self, kv: RequestKV, new_allocated: int) -> bool:
+        """Give ``kv`` slots for positions ``[allocated, new_allocated)``.
+
+        Takes a row on first use.  Returns False, changing nothing, when the pool or
+        the row pool is exhausted.  Raises ``RowWidthExceeded`` past the row width.
+        """
+        if new_allocated <= kv.allocated:
+            return True
+        if new_allocated > self.row_width:
+            raise RowWidthExceeded(
+                f"request needs {new_allocated} KV positions but req_to_token rows are "
+                f"{self.row_width} wide (context length + headroom); lower max_tokens or "
+                f"raise spec.model.contextLength"
+            )
+        took_row = kv.row is None
+        if took_row:
+            kv.row = self.req_pool.alloc()
+            if kv.row is None:
+                return False
+        pages = self.allocator.alloc_pages(self.pages_needed(kv, new_allocated))
+        if pages is None:
+            if took_row:
+                self.req_pool.free(kv.row)
+                kv.row = None
+            return False
+        kv.pages.extend(pages)
+        self._live[kv.row] = kv
+        self._write_row(kv, kv.allocated, new_allocated)
+        kv.allocated = new_allocated
+        kv.assert_lengths(self.row_width)
+        return True
+
+    def _write_row(self, kv: RequestKV, start: int, end: int) -> None:
+        positions = torch.arange(start, end)
+        pages = torch.tensor(kv.pages, dtype=torch.int64)
+        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        self.req_pool.req_to_token[kv.row, start:end] = slots.to(self.req_pool.req_to_token.device)
+
+    def free_tail(self, kv: RequestKV, keep: int) -> None:
+        """Shrink the allocation to ``keep`` positions, freeing whole pages past it."""
+        keep_pages = ceil_page(keep, self.page_size) // self.page_size
+        self.allocator.free(kv.pages[keep_pages:])
+        del kv.pages[keep_pages:]
+        kv.allocated = min(kv.allocated, keep)
+        kv.committed = min(kv.committed, keep)
+
+    def release(self, kv: RequestKV) -> None:
+        """Free every page and the row; lengths go back to zero."""
+        self.allocator.free(kv.pages)
+        kv.pages.clear()
+        if kv.row is not None:
+            del self._live[kv.row]
+            self.req_pool.free(kv.row)
+        kv.row = None
+        kv.committed = kv.allocated = 0
+
+    def slots(self, kv: RequestKV, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions ``[start, end)`` of ``kv`` (must be allocated)."""
+        return self.req_pool.req_to_token[kv.row, start:end]
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Allocated beyond committed, summed over live requests."""
+        return sum(kv.allocated - kv.committed for kv in self._live.values())
+
+    def check_integrity(self) -> None:
+        """Pages and rows balance: each owned page belongs to exactly one live request."""
+        self.allocator.check_integrity()
+        owned = [p for kv in self._live.values() for p in kv.pages]
+        if len(owned) != len(set(owned)):
+            raise AssertionError("a page is held by two requests")
+        if len(owned) != self.allocator.num_pages - self.allocator.num_free_pages:
+            raise AssertionError(
+                f"leak: {self.allocator.num_pages - self.allocator.num_free_pages} pages in use "
+                f"but live requests hold {len(owned)}"
+            )
+        if len(self._live) + self.req_pool.num_free != self.req_pool.num_rows:
+            raise AssertionError(
+                f"row leak: {len(self._live)} live + {self.req_pool.num_free} free "
+                f"!= {self.req_pool.num_rows} rows"
+            )
+        for kv in self._live.values():
+            kv.assert_lengths(self.row_width)
+            if len(kv.pages) != ceil_page(kv.allocated, self.page_size) // self.page_size:
+                raise AssertionError(f"row {kv.row}: {len(kv.pages)} pages for {kv.allocated} positions")

@@ -1,0 +1,82 @@
+"""Every KV allocation size rule lives here (DESIGN §5, seed 000).
+
+Notation: P = page size, k = topk, S = draft steps, T = max draft tokens per verify.
+No other module multiplies the per-decode allocation by two or recomputes row
+headroom; call these functions instead.
+
+A request row of ``req_to_token`` (one per running request)::
+
+    | prompt + output (committed) | bonus | draft reserve ...     | headroom |
+    0                        committed    committed + reserve          width
+    |<-------------- context length ---------------->|<- extra_context_len ->|
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SpecShape:
+    """The speculative layout that KV sizing depends on (None anywhere = no speculation)."""
+
+    num_steps: int  # S
+    topk: int  # k
+    max_draft_tokens: int  # T, already widened for the widest adaptive rung
+
+
+def ceil_page(length: int, page_size: int) -> int:
+    """Round ``length`` up to a whole number of pages (in tokens)."""
+    return -(-length // page_size) * page_size
+
+
+def alloc_len_per_decode(spec: SpecShape | None, page_size: int) -> int:
+    """Worst-case KV positions one decode step needs per request."""
+    if spec is None:
+        return 1
+    steps, topk, tokens = spec.num_steps, spec.topk, spec.max_draft_tokens
+    if page_size == 1 or topk == 1:
+        return max(steps * topk, tokens)
+    # Paged tree: each branch owns page-aligned space for the prefix tail + S drafts.
+    pages_per_branch = ((page_size - 1) + steps + page_size - 1) // page_size
+    return max(pages_per_branch * page_size * topk, tokens)
+
+
+def alloc_reserve_per_decode(spec: SpecShape | None, page_size: int) -> int:
+    """Positions kept allocated beyond committed: a double buffer for overlap scheduling
+    (step N+1 is prepared before step N's accept lengths are known)."""
+    return 2 * alloc_len_per_decode(spec, page_size)
+
+
+def extra_context_len(spec: SpecShape | None, page_size: int) -> int:
+    """Row headroom beyond the context length; never narrower than the reserve."""
+    extra = 4 + (spec.max_draft_tokens if spec is not None else 0)
+    if spec is not None:
+        extra = max(extra, alloc_reserve_per_decode(spec, page_size))
+    return extra
+
+
+def row_width(context_length: int, spec: SpecShape | None, page_size: int) -> int:
+    """Width of a ``req_to_token`` row, page aligned so whole-page frees stay in the row."""
+    return ceil_page(context_length + extra_context_len(spec, page_size), page_size)
+
+
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+def kv_pool_tokens(kv_cache, bytes_per_token: int, free_device_bytes: int | None, context_length: int) -> int:
+    """Token slots in the KV pool, page aligned.
+
+    ``kvCache.maxTokens`` wins; else ``memFraction`` of free device memory (GPU);
+    else a fixed default on CPU.  Never fewer than one full-context request.
+    """
+    page = kv_cache.page_size
+    if kv_cache.max_tokens is not None:
+        tokens = kv_cache.max_tokens
+    elif free_device_bytes is not None:
+        tokens = int(free_device_bytes * (kv_cache.mem_fraction or 0.85)) // bytes_per_token
+    else:
+        tokens = max(DEFAULT_CPU_KV_TOKENS, ceil_page(context_length, page))
+    if kv_cache.max_tokens is None:
+        tokens = max(tokens, ceil_page(context_length, page))
+    return max(page, tokens // page * page)

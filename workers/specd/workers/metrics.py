@@ -1,0 +1,62 @@
+"""Per-engine Prometheus metrics (names per DESIGN §4, every sample labelled ``replica``).
+
+Each engine owns a private ``CollectorRegistry`` so several engines can live in one
+process (tests) and the gateway can merge their expositions.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+disable_created_metrics()  # no *_created series: they double the exposition for no use here
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineMetrics:
+    def __init__(self, replica: str):
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["replica"]
+
+        def bind(metric, labels):
+            """Metrics without extra labels come back bound to this replica."""
+            return metric if labels else metric.labels(replica)
+
+        def gauge(name, doc, labels=()):
+            return bind(Gauge(name, doc, lbl + list(labels), registry=r), labels)
+
+        def counter(name, doc, labels=()):
+            return bind(Counter(name, doc, lbl + list(labels), registry=r), labels)
+
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(name, doc, lbl, registry=r, buckets=buckets).labels(replica)
+
+        self.requests_running = gauge("specd_requests_running", "Requests holding KV and being served")
+        self.requests_queued = gauge("specd_requests_queued", "Requests waiting for admission")
+        self.kv_tokens_total = gauge("specd_kv_tokens_total", "Token slots in the KV pool")
+        self.kv_tokens_used = gauge("specd_kv_tokens_used", "Token slots held by requests (whole pages)")
+        self.kv_tokens_reserved = gauge(
+            "specd_kv_tokens_reserved", "Slots allocated beyond committed length, summed over requests"
+        )
+        self.engine_healthy = gauge("specd_engine_healthy", "1 while the engine loop is healthy")
+        self.ttft = histogram("specd_time_to_first_token_seconds", "Arrival to first output token")
+        self.itl = histogram("specd_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("specd_e2e_request_latency_seconds", "Arrival to finish")
+        self.prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("specd_generation_tokens", "Output tokens generated")
+        self.retractions = counter("specd_retractions", "Requests retracted because KV ran out")
+        self.aborts = counter("specd_aborts", "Requests aborted before finishing")
+        self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
+        self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
+        self.replica = replica
+        self.engine_healthy.set(1)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,18 @@
+"""What one forward pass needs besides token ids and positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specd.kernels import AttentionBackend, AttentionMetadata
+from specd.workers.mem_cache.kv_pool import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    attn_meta: AttentionMetadata
+    out_cache_loc: torch.Tensor  # [num_tokens] pool slot where each input token's K/V goes
+    kv_pool: KVPool
+    backend: AttentionBackend

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2) over paged KV.
+
+Input is a flattened ragged batch: ``N`` tokens from any number of requests, no
+padding.  Which tokens belong to which request, where their K/V are written and which
+slots each query reads all come from the ``ForwardContext`` (see ``specd.kernels.metadata``).
+
+Module and parameter names are exactly those of ``transformers`` so a checkpoint's
+state dict loads 1:1 (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.workers.model.config import ModelConfig
+from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalise in float32, round, then scale.
+
+    ``torch.nn.RMSNorm`` scales before rounding, which differs by one ulp in bf16.
+    """
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id  # index of this layer's buffers in the KV pool
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x [N, hidden], cos/sin [N, head_dim] -> [N, hidden]; writes this layer's K/V."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx.kv_pool.store(self.layer_id, ctx.out_cache_loc, k, v)
+        k_buffer, v_buffer = ctx.kv_pool.layer(self.layer_id)
+        out = ctx.backend.forward(q, k_buffer, v_buffer, ctx.attn_meta, scale=self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x [N, hidden] residual stream in -> out."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """-> (final-normed hidden [N, hidden], {i: residual stream entering layer i})."""
+        x = self.embed_tokens(input_ids)  # [N, hidden]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [N, head_dim] each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured[i] = x
+            x = layer(x, cos, sin, ctx)
+        if len(self.layers) in capture_layers:
+            captured[len(self.layers)] = x
+        return self.norm(x), captured
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model.  ``forward`` returns final-normed hidden states; ``compute_logits``
+    turns the rows the caller needs (last prompt token, draft tokens) into logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share ``lm_head.weight`` with ``model.embed_tokens.weight``."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids [N] int64, positions [N] int64 -> final-normed hidden [N, hidden]."""
+        return self.model(input_ids, positions, ctx)[0]
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        capture_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Like ``forward``, also returning intermediate hidden states for draft models.
+
+        Index ``i`` in ``capture_layers`` is the residual stream entering decoder layer
+        ``i`` ([N, hidden], before any norm): 0 is the embeddings, ``num_hidden_layers``
+        is the last layer's output before the final norm.  This is the indexing of
+        transformers' ``output_hidden_states`` (whose last entry is normed, though) and
+        of SGLang's EAGLE-3 ``layers_to_capture``.  EAGLE (v1) consumes the
+        final-normed hidden, i.e. the first element of the result.
+        """
+        bad = [i for i in capture_layers if not 0 <= i <= self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"capture_layers {bad} out of range [0, {self.config.num_hidden_layers}]"
+            )
+        return self.model(input_ids, positions, ctx, capture_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] -> logits [M, vocab] float32."""
+        return self.lm_head(hidden).float()

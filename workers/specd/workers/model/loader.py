@@ -1,0 +1,127 @@
+"""Load a local Hugging Face folder (config.json + safetensors) into ``LlamaForCausalLM``.
+
+The model is built on the meta device and the checkpoint tensors, cast to the target
+dtype, are assigned in place: no random init, no second copy in another dtype.  Names
+and shapes are checked against the model before anything is assigned, so a wrong
+checkpoint fails with a message naming the tensor instead of a deep torch error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
+from specd.workers.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelLoadError", "load_model", "read_weights", "resolve_dtype"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved the rope buffer
+_MAX_NAMES_LISTED = 8
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """``auto`` -> the checkpoint's dtype (float32 when config.json names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (config.torch_dtype or "float32") if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not supported; supported: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """``model.safetensors``, or every shard named by ``model.safetensors.index.json``."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shard files that do not exist: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"no weights in {folder}: expected {single.name} or {index.name} (safetensors only)"
+    )
+
+
+def read_weights(
+    folder: Path, dtype: torch.dtype, device: str | torch.device
+) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors by name, cast to ``dtype`` on ``device`` (shard by shard)."""
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(folder):
+        for name, tensor in load_file(file, device=str(device)).items():
+            if not name.endswith(_IGNORED_SUFFIXES):
+                state[name] = tensor.to(dtype)
+    return state
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - _MAX_NAMES_LISTED
+    return ", ".join(names[:_MAX_NAMES_LISTED]) + (f" (and {more} more)" if more > 0 else "")
+
+
+def check_weights(
+    folder: Path, expected: dict[str, torch.Size], found: dict[str, torch.Tensor]
+) -> None:
+    """Raise ``ModelLoadError`` naming missing, unexpected or wrongly shaped tensors."""
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ModelLoadError(f"checkpoint {folder} is missing tensors: {_listed(missing)}")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise ModelLoadError(f"checkpoint {folder} has unexpected tensors: {_listed(unexpected)}")
+    for name, shape in expected.items():
+        if found[name].shape != shape:
+            raise ModelLoadError(
+                f"checkpoint {folder}: tensor {name} has shape {tuple(found[name].shape)}, "
+                f"expected {tuple(shape)} from config.json"
+            )
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model from ``path``/config.json and load its safetensors weights.
+
+    ``dtype``: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
+    The LM head is tied to the embeddings when ``tie_word_embeddings`` is set (a stored
+    ``lm_head.weight`` is then ignored, as transformers does) or when the checkpoint has
+    no ``lm_head.weight``.
+    """
+    folder = Path(path)
+    config = load_model_config(folder)
+    torch_dtype = resolve_dtype(dtype, config)
+    weights = read_weights(folder, torch_dtype, device)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: t.shape for name, t in model.state_dict().items()}
+    tie = "lm_head.weight" not in weights
+    if tie:
+        expected.pop("lm_head.weight")
+        if not config.tie_word_embeddings:
+            logger.warning("%s has no lm_head.weight; tying it to the embeddings", folder)
+    check_weights(folder, expected, weights)
+    model.load_state_dict(weights, strict=False, assign=True)
+    if tie:
+        model.tie_weights()
+    return model.eval().requires_grad_(False), config

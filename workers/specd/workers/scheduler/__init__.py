@@ -1,0 +1,1 @@
+"""Scheduling: requests, the per-step batch description and the continuous-batching policy."""

@@ -1,0 +1,35 @@
+"""The frozen description of one scheduled step, handed to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.workers.scheduler.request import Req
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """Request ``reqs[i]`` feeds ``extend_lens[i]`` tokens starting at position
+    ``prefix_lens[i]`` (its committed length); it samples a next token only when the
+    chunk reaches the end of its known tokens (``sample[i]``).  Decode requests are
+    the case ``extend_lens[i] == 1``; prefill chunks and decodes share one forward."""
+
+    reqs: tuple[Req, ...]
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    sample: tuple[bool, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def sampled_reqs(self) -> list[Req]:
+        return [r for r, s in zip(self.reqs, self.sample, strict=True) if s]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """One next token per sampled request, in ``ScheduledBatch.sampled_reqs`` order."""
+
+    next_token_ids: tuple[int, ...]

@@ -1,0 +1,53 @@
+"""A request as the scheduler sees it: tokens, sampling params, KV holdings, state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from specd.workers.engine.types import FinishReason, SamplingParams
+from specd.workers.mem_cache.kv_manager import RequestKV
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    kv: RequestKV = field(default_factory=RequestKV)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_retractions: int = 0
+    sampler_state: Any = None  # per-request torch.Generator, owned by the sampler
+    detok_state: Any = None  # incremental detokenizer state, owned by the engine
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs: prompt, then output so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Tokens not yet in the KV cache (1 while decoding, more while prefilling)."""
+        return self.num_fill - self.kv.committed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

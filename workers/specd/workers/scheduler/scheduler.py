@@ -1,0 +1,144 @@
+"""Continuous batching with chunked prefill, admission limits and retraction.
+
+Each step has a token budget (``chunked_prefill_size``, never below the number of
+running requests).  Running requests are served first, oldest first: a decoding
+request needs one token, a request mid-prefill gets the next chunk.  Waiting
+requests are then admitted in arrival order while the budget, the row pool,
+``max_running_requests`` and the KV pool allow.  When a running request cannot get
+KV for its next token, the newest running request is retracted: its KV is freed
+and it goes back to the front of the queue, keeping its output so far (it is
+re-prefilled later and continues exactly where it stopped).
+
+The scheduler only does bookkeeping; it never builds tensors for the model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specd.workers.engine.types import FinishReason
+from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
+from specd.workers.scheduler.request import Req, RequestStatus
+from specd.workers.scheduler.stop import check_stop
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_retractions = 0
+
+    # -- queue -------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, rid: str) -> Req | None:
+        """Finish ``rid`` with ABORT wherever it is; returns it, or None if unknown."""
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                self.finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """Retire ``req``: free its KV and drop it from the queues."""
+        if req.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req.kv)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    # -- one step ----------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's requests and token counts, allocating their KV."""
+        budget = max(self.config.chunked_prefill_size, len(self.running))
+        picked: list[tuple[Req, int]] = []
+        for req in list(self.running):
+            if req not in self.running:  # retracted while serving an older request
+                continue
+            take = min(req.tokens_to_compute, budget)
+            if take == 0 or not self._grow_or_retract(req, req.kv.committed + take):
+                continue
+            picked.append((req, take))
+            budget -= take
+        picked += self._admit(budget)
+        picked = [(r, n) for r, n in picked if r.status is RequestStatus.RUNNING]
+        if not picked:
+            return None
+        return ScheduledBatch(
+            reqs=tuple(r for r, _ in picked),
+            prefix_lens=tuple(r.kv.committed for r, _ in picked),
+            extend_lens=tuple(n for _, n in picked),
+            sample=tuple(r.kv.committed + n == r.num_fill for r, n in picked),
+        )
+
+    def _admit(self, budget: int) -> list[tuple[Req, int]]:
+        admitted = []
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            req = self.waiting[0]
+            take = min(req.tokens_to_compute, budget)
+            headroom = len(self.running) * self.kv.page_size  # one page per running decode
+            if self.kv.allocator.free_tokens - headroom < take or not self.kv.grow(req.kv, take):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append((req, take))
+            budget -= take
+        return admitted
+
+    def _grow_or_retract(self, req: Req, new_allocated: int) -> bool:
+        """Allocate up to ``new_allocated`` for ``req``, retracting newer requests if the
+        pool is full.  False if ``req`` itself had to be retracted."""
+        while not self.kv.grow(req.kv, new_allocated):
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim is req:
+                return False
+        return True
+
+    def retract(self, req: Req) -> None:
+        """Free ``req``'s KV and requeue it first; its output so far is kept."""
+        self.running.remove(req)
+        self.kv.release(req.kv)
+        req.status = RequestStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def process_result(self, batch: ScheduledBatch, result: RunnerOutput) -> list[Req]:
+        """Commit the computed KV, append sampled tokens, finish stopped requests.
+
+        Returns the requests that received a new token (finished ones included)."""
+        for req, extend in zip(batch.reqs, batch.extend_lens, strict=True):
+            req.kv.committed += extend
+            req.kv.assert_lengths(self.kv.row_width)
+        updated = batch.sampled_reqs
+        for req, token in zip(updated, result.next_token_ids, strict=True):
+            req.output_ids.append(token)
+            reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
+            if reason is not None:
+                self.finish(req, reason)
+        return updated

@@ -1,0 +1,17 @@
+"""Stop rules evaluated on each new token (stop strings live in the detokenizer)."""
+
+from __future__ import annotations
+
+from specd.workers.engine.types import FinishReason
+from specd.workers.scheduler.request import Req
+
+
+def check_stop(req: Req, eos_token_ids: frozenset[int], context_length: int) -> FinishReason | None:
+    """Why ``req`` must stop after its last output token, or None to continue."""
+    token = req.output_ids[-1]
+    params = req.params
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FinishReason.STOP
+    if len(req.output_ids) >= params.max_tokens or req.num_fill >= context_length:
+        return FinishReason.LENGTH
+    return None

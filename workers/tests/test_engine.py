@@ -1,0 +1,191 @@
+"""The engine end to end on tiny checkpoints: exact against transformers greedy,
+retraction under a small KV pool, sampling, stop rules and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+import torch
+from transformers import AutoModelForCausalLM
+
+from specd.workers.config import spec_for_model
+from specd.workers.engine.engine import Engine
+from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
+
+
+def start_engine(model_path, **overrides) -> Engine:
+    engine = Engine(spec_for_model(model_path, model={"dtype": "float32"}, **overrides), device="cpu")
+    engine.start()
+    return engine
+
+
+async def collect(engine: Engine, rid: str, prompt, **params):
+    tokens, text, last = [], "", None
+    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), SamplingParams(**params))):
+        tokens += delta.token_ids
+        text += delta.text
+        last = delta
+    return tokens, text, last
+
+
+def run_all(engine: Engine, prompts, **params):
+    async def go():
+        return await asyncio.gather(
+            *(collect(engine, f"r{i}", p, **params) for i, p in enumerate(prompts))
+        )
+
+    return asyncio.run(go())
+
+
+def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
+    """Wait until the loop has published a status with no request and no KV held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = engine.status()
+        if st["running"] == st["queued"] == st["kv_used_tokens"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def hf_greedy(model_path, prompts, max_new_tokens):
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                          eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def random_prompts(n, vocab, seed=0, lo=3, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """variant -> (prompts, transformers greedy outputs), computed once."""
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            path = tiny_models(variant)
+            prompts = random_prompts(16, 300, seed=len(variant))
+            cache[variant] = (prompts, hf_greedy(path, prompts, MAX_NEW))
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", ["gqa", "tied", "bias"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_equals_transformers(tiny_models, references, variant, page_size):
+    """Batch 1 and 16 concurrent mixed-length requests, chunked prefill on (chunk 8)."""
+    prompts, expected = references(variant)
+    engine = start_engine(
+        tiny_models(variant), kvCache={"pageSize": page_size, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 8},
+    )
+    try:
+        single = run_all(engine, prompts[:1], max_tokens=MAX_NEW, ignore_eos=True)
+        assert single[0][0] == expected[0]
+        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
+        assert engine.status()["healthy"]
+    finally:
+        engine.shutdown()
+    assert engine.allocator.used_tokens == 0
+    engine.kv.check_integrity()
+
+
+def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references):
+    prompts, expected = references("gqa")
+    engine = start_engine(
+        tiny_models("gqa"), kvCache={"pageSize": 4, "maxTokens": 96},
+        scheduler={"chunkedPrefillSize": 64},
+    )
+    try:
+        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert engine.status()["retractions"] > 0
+        assert b"specd_retractions_total" in engine.metrics_text()
+        assert wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    eng = start_engine(tiny_models("gqa"), kvCache={"maxTokens": 2048})
+    yield eng
+    eng.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_varies(engine):
+    prompt = [5, 6, 7, 8]
+    params = dict(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, ignore_eos=True)
+    a = run_all(engine, [prompt], seed=1, **params)[0][0]
+    b = run_all(engine, [prompt], seed=1, **params)[0][0]
+    c = run_all(engine, [prompt], seed=2, **params)[0][0]
+    assert a == b
+    assert a != c
+
+
+def test_stop_token_and_stop_string(engine):
+    prompt = [5, 6, 7, 8]
+    tokens, text, _ = run_all(engine, [prompt], max_tokens=10, ignore_eos=True)[0]
+    stopped, _, last = run_all(engine, [prompt], max_tokens=10, stop_token_ids=(tokens[3],), ignore_eos=True)[0]
+    assert stopped == tokens[: tokens.index(tokens[3]) + 1] and last.finish_reason is FinishReason.STOP
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    if needle.strip():
+        _, cut, last = run_all(engine, [prompt], max_tokens=10, stop=(needle,), ignore_eos=True)[0]
+        assert cut == text[: text.index(needle)] and last.finish_reason is FinishReason.STOP
+
+
+def test_bad_requests_get_400(engine):
+    bad = [
+        ([], dict(max_tokens=1), "prompt"),
+        ([1] * 5000, dict(max_tokens=1), "prompt"),
+        ([10**6], dict(max_tokens=1), "prompt"),
+        ([1, 2], dict(max_tokens=0), "max_tokens"),
+    ]
+    for prompt, params, field in bad:
+        _, _, last = run_all(engine, [prompt], **params)[0]
+        assert last.finish_reason is FinishReason.ERROR and last.error_code == 400
+        assert last.error.startswith(field)
+
+
+def metric_value(engine: Engine, name: str) -> float:
+    for family in text_string_to_metric_families(engine.metrics_text().decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def test_consumer_leaving_aborts_the_request(engine):
+    aborts_before = metric_value(engine, "specd_aborts_total")
+
+    async def go():
+        gen = engine.generate(GenerateRequest("leave", (5, 6, 7), SamplingParams(max_tokens=500, ignore_eos=True)))
+        async for _ in gen:
+            break
+        await gen.aclose()
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 5
+    while metric_value(engine, "specd_aborts_total") == aborts_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric_value(engine, "specd_aborts_total") == aborts_before + 1
+    assert wait_idle(engine)

@@ -1,0 +1,311 @@
+"""Target model vs transformers on tiny offline checkpoints: prefill, paged decode, loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from specd.kernels import build_attention_metadata, get_backend
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.model.config import ModelConfig, ModelLoadError, parse_rope
+from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.loader import load_model
+from specd.workers.model.rope import RotaryEmbedding
+from specd.workers.model.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from specd.workers.tools import tiny_checkpoint
+from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+
+ATOL = 1e-4
+DECODE_STEPS = 8
+CASES = {
+    "gqa": dict(variant="gqa"),
+    "tied": dict(variant="tied"),
+    "bias": dict(variant="bias"),
+    "llama3-rope": dict(variant="llama3"),
+    "linear-rope": dict(variant="linear"),
+    "mistral": dict(variant="mistral"),
+    "sharded": dict(variant="gqa", sharded=True, seed=1),
+}
+
+
+def _prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+class PagedRunner:
+    """Runs the model the way the engine will: request rows in ``req_to_token`` whose
+    pages come from a free list (shuffled, so a request's slots are non-contiguous)."""
+
+    def __init__(self, model, page_size: int, num_pages: int, shuffle: bool, num_rows: int = 4):
+        cfg = model.config
+        self.model, self.page_size = model, page_size
+        self.pool = KVPool(
+            cfg.num_hidden_layers, num_pages * page_size, cfg.num_key_value_heads,
+            cfg.head_dim, next(model.parameters()).dtype, "cpu",
+        )
+        self.backend = get_backend("torch")
+        self.req_to_token = torch.zeros(num_rows, 64, dtype=torch.int32)  # [rows, width]
+        order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(7))
+        self.free_pages = (order if shuffle else torch.arange(num_pages)).tolist()
+        self.seq_lens = [0] * num_rows
+
+    def _claim_slots(self, row: int, end: int) -> None:
+        """Give positions ``[seq_len, end)`` of ``row`` slots, a whole page at a time."""
+        for pos in range(self.seq_lens[row], end):
+            if pos % self.page_size == 0:
+                page = self.free_pages.pop(0)
+                slots = torch.arange(page * self.page_size, (page + 1) * self.page_size)
+                self.req_to_token[row, pos : pos + self.page_size] = slots.to(torch.int32)
+
+    def extend(self, rows: list[int], chunks: list[list[int]], **aux) -> torch.Tensor:
+        """Append ``chunks[i]`` to request ``rows[i]``; -> logits [sum(len(chunk)), vocab]."""
+        positions, locs = [], []
+        for row, chunk in zip(rows, chunks, strict=True):
+            start, end = self.seq_lens[row], self.seq_lens[row] + len(chunk)
+            self._claim_slots(row, end)
+            positions.append(torch.arange(start, end))
+            locs.append(self.req_to_token[row, start:end].long())
+            self.seq_lens[row] = end
+        meta = build_attention_metadata(
+            self.req_to_token, torch.tensor(rows),
+            qo_lens=[len(c) for c in chunks], kv_lens=[self.seq_lens[r] for r in rows],
+        )
+        ctx = ForwardContext(meta, torch.cat(locs), self.pool, self.backend)
+        input_ids = torch.tensor([t for c in chunks for t in c])
+        if aux:
+            return self.model.forward_with_aux(input_ids, torch.cat(positions), ctx, **aux)
+        return self.model.compute_logits(self.model(input_ids, torch.cat(positions), ctx))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def models(request, tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+    ours, _ = load_model(path, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, hf
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("gqa"), variant="gqa")
+
+
+@pytest.fixture
+def broken_dir(gqa_dir, tmp_path):
+    """A writable copy of the gqa checkpoint for tests that damage it."""
+    return shutil.copytree(gqa_dir, tmp_path / "ckpt")
+
+
+@torch.no_grad()
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([tokens])).logits[0]  # [len(tokens), vocab]
+
+
+@torch.no_grad()
+def test_prefill_matches_transformers(models):
+    ours, hf = models
+    prompts = _prompts(ours.config.vocab_size, (5, 1, 12, 7))
+    runner = PagedRunner(ours, page_size=1, num_pages=64, shuffle=False)
+    logits = runner.extend(list(range(len(prompts))), prompts)
+    for prompt, got in zip(prompts, logits.split([len(p) for p in prompts]), strict=True):
+        torch.testing.assert_close(got, _hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_paged_decode_matches_transformers_generate(models):
+    ours, hf = models
+    prompts = _prompts(ours.config.vocab_size, (6, 3, 9), seed=1)
+    rows = [3, 0, 2]
+    runner = PagedRunner(ours, page_size=4, num_pages=16, shuffle=True)
+    # Chunked prefill: request 0's prompt arrives in two pieces, the second one alone.
+    first = runner.extend(rows, [prompts[0][:4], prompts[1], prompts[2]])
+    second = runner.extend(rows[:1], [prompts[0][4:]])
+    _, first_1, first_2 = first.split([4, len(prompts[1]), len(prompts[2])])
+    last = torch.stack([second[-1], first_1[-1], first_2[-1]])  # [bs, vocab]
+    seqs = [list(p) for p in prompts]
+    for _ in range(DECODE_STEPS):
+        next_tokens = last.argmax(-1).tolist()
+        for seq, token in zip(seqs, next_tokens, strict=True):
+            seq.append(token)
+        last = runner.extend(rows, [[t] for t in next_tokens])  # [bs, vocab]
+        expected = torch.stack([_hf_logits(hf, seq)[-1] for seq in seqs])
+        torch.testing.assert_close(last, expected, atol=ATOL, rtol=0)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        generated = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=DECODE_STEPS
+        )[0, len(prompt):].tolist()
+        assert seq[len(prompt):len(prompt) + len(generated)] == generated
+        assert len(generated) == DECODE_STEPS or generated[-1] in ours.config.eos_token_ids
+
+
+@torch.no_grad()
+def test_captured_layers_match_transformers_hidden_states(models):
+    ours, hf = models
+    (prompt,) = _prompts(ours.config.vocab_size, (6,))
+    layers = ours.config.num_hidden_layers
+    runner = PagedRunner(ours, page_size=1, num_pages=16, shuffle=False)
+    hidden, captured = runner.extend([0], [prompt], capture_layers=(0, 1, layers))
+    expected = hf(torch.tensor([prompt]), output_hidden_states=True)
+    assert sorted(captured) == [0, 1, layers]
+    for i in (0, 1):
+        torch.testing.assert_close(captured[i], expected.hidden_states[i][0], atol=ATOL, rtol=0)
+    # transformers' last hidden state is after the final norm; ours is the pre-norm stream.
+    final = expected.hidden_states[layers][0]
+    torch.testing.assert_close(hf.model.norm(captured[layers]), final, atol=ATOL, rtol=0)
+    torch.testing.assert_close(hidden, final, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        ours.compute_logits(hidden), expected.logits[0], atol=ATOL, rtol=0
+    )
+    with pytest.raises(ValueError, match="out of range"):
+        runner.extend([1], [prompt], capture_layers=(layers + 1,))
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+        },
+    ],
+    ids=["default", "linear", "llama3"],
+)
+def test_rope_matches_transformers_at_arbitrary_positions(rope_scaling):
+    hf_config = LlamaConfig(
+        hidden_size=1024, num_attention_heads=8, rope_theta=500000.0, rope_scaling=rope_scaling
+    )
+    rope = parse_rope(hf_config.to_dict())
+    positions = torch.tensor([0, 7, 3, 100_000, 8191, 8192, 65_535, 1])
+    cos, sin = RotaryEmbedding(128, rope)(positions, torch.float32)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_config)(torch.zeros(1), positions[None])
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+
+
+def test_rope_config_read_from_old_and_new_keys():
+    scaling = {"factor": 2.0, "type": "linear"}
+    old = parse_rope({"rope_theta": 1e6, "rope_scaling": scaling})
+    new = parse_rope({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+    assert old == new and old.theta == 1e6 and old.rope_type == "linear"
+    assert parse_rope({}).rope_type == "default"
+    with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
+        parse_rope({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
+        parse_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+
+
+def _edit_config(folder, **changes) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_weights(folder, edit) -> None:
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    edit(weights)
+    save_file(weights, path)
+
+
+def test_bf16_load_and_forward(tmp_path, gqa_dir):
+    model, _ = load_model(gqa_dir, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    bf16_dir = make_tiny_checkpoint(tmp_path, variant="tied", dtype="bfloat16")
+    model, config = load_model(bf16_dir)  # auto = the checkpoint's dtype
+    assert config.torch_dtype == "bfloat16"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    (prompt,) = _prompts(config.vocab_size, (9,))
+    logits = PagedRunner(model, page_size=4, num_pages=8, shuffle=True).extend([0], [prompt])
+    hf = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16)
+    expected = _hf_logits(hf, prompt).float()
+    assert logits.dtype == torch.float32
+    assert torch.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
+         "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
+        (lambda d: _edit_config(d, architectures=["MistralForCausalLM"], sliding_window=16),
+         "sliding_window=16"),
+        (lambda d: _edit_weights(d, lambda w: w.update(
+            {"model.layers.1.mlp.up_proj.weight": torch.zeros(100, 64)})),
+         r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\), expected \(128, 64\)"),
+        (lambda d: _edit_weights(d, lambda w: w.pop("model.layers.2.self_attn.k_proj.weight")),
+         "missing tensors: model.layers.2.self_attn.k_proj.weight"),
+        (lambda d: _edit_weights(d, lambda w: w.update({"model.extra.weight": torch.zeros(2)})),
+         "unexpected tensors: model.extra.weight"),
+        (lambda d: (d / "model.safetensors").unlink(), "no weights in .*ckpt: expected model.safetensors"),
+        (lambda d: (d / "config.json").unlink(), "has no config.json"),
+    ],
+    ids=["architecture", "sliding-window", "shape", "missing", "unexpected", "no-weights", "no-config"],
+)
+def test_load_errors_name_the_problem(broken_dir, damage, message):
+    damage(broken_dir)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(broken_dir)
+
+
+def test_load_ignores_rope_buffer_and_reports_missing_folder_and_shard(broken_dir, tmp_path):
+    _edit_weights(broken_dir, lambda w: w.update(
+        {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}))
+    load_model(broken_dir)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    sharded = make_tiny_checkpoint(tmp_path / "sharded", sharded=True)
+    (sharded / "model-00002-of-00007.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="model-00002-of-00007.safetensors"):
+        load_model(sharded)
+
+
+def test_qwen2_bias_layout():
+    raw = {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "sliding_window": 4096, "use_sliding_window": False, "eos_token_id": [5, 6],
+    }
+    config = ModelConfig.from_dict(raw, generation={"eos_token_id": [6, 7]})
+    assert config.attention_bias and not config.o_proj_bias
+    assert config.num_key_value_heads == 2 and config.head_dim == 4
+    assert config.eos_token_ids == (5, 6, 7)
+
+
+def test_tokenizer_chat_template_and_fallback(gqa_dir):
+    tok = load_tokenizer(gqa_dir)
+    config = load_model(gqa_dir)[1]
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    ids = apply_chat_template(tok, messages)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert tok.decode(ids) == "<s><|user|>Hello, how are you?</s><|assistant|>"
+    tok.chat_template = None
+    fallback = tok.decode(apply_chat_template(tok, messages))
+    assert fallback == "<s><|user|>\nHello, how are you?</s>\n<|assistant|>\n"
+    assert eos_token_ids(tok, config) == {tok.eos_token_id}
+
+
+def test_tokenizer_errors_name_the_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_tokenizer(tmp_path / "nowhere")
+    with pytest.raises(ModelLoadError, match=str(tmp_path)):
+        load_tokenizer(tmp_path)
+
+
+def test_tiny_checkpoint_cli_and_cache(tmp_path, capsys):
+    tiny_checkpoint.main([str(tmp_path), "--variant", "bias", "--sharded"])
+    assert capsys.readouterr().out.strip() == str(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    before = (tmp_path / "config.json").stat().st_mtime_ns
+    assert make_tiny_checkpoint(tmp_path, variant="bias", sharded=True) == tmp_path
+    assert (tmp_path / "config.json").stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match="not empty"):
+        make_tiny_checkpoint(tmp_path, variant="gqa")

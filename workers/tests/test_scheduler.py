@@ -1,0 +1,121 @@
+"""The scheduler driven with hand-made model outputs (no model, no tensors math)."""
+
+import pytest
+
+from specd.workers.engine.types import FinishReason, SamplingParams
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.scheduler.batch import RunnerOutput
+from specd.workers.scheduler.request import Req, RequestStatus
+from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+
+EOS = 0
+
+
+def make_scheduler(pages=64, page_size=4, rows=8, chunk=16, max_running=8, context=64):
+    kv = KVManager(ReqToTokenPool(rows, context + 8), PagedTokenAllocator(pages, page_size))
+    cfg = SchedulerConfig(max_running, chunk, context, frozenset({EOS}))
+    return Scheduler(cfg, kv)
+
+
+def req(rid, prompt_len, max_tokens=4, **kw):
+    return Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw))
+
+
+def fake_token(r: Req) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 100 + (sum(r.fill_ids) % 50)
+
+
+def step(s: Scheduler):
+    batch = s.schedule()
+    if batch is None:
+        return None
+    out = RunnerOutput(tuple(fake_token(r) for r in batch.sampled_reqs))
+    s.process_result(batch, out)
+    s.kv.check_integrity()
+    return batch
+
+
+def run_to_completion(s: Scheduler, reqs, max_steps=500):
+    for r in reqs:
+        s.add(r)
+    for _ in range(max_steps):
+        if not s.has_work():
+            return
+        step(s)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_splits_long_prompt_and_samples_once():
+    s = make_scheduler(chunk=8)
+    r = req("a", 20, max_tokens=1)
+    s.add(r)
+    lens = [step(s).extend_lens for _ in range(3)]
+    assert lens == [(8,), (8,), (4,)]
+    assert r.finished and len(r.output_ids) == 1 and r.finish_reason is FinishReason.LENGTH
+    assert s.kv.allocator.used_tokens == 0
+
+
+def test_decodes_and_prefill_share_a_step():
+    s = make_scheduler(chunk=8)
+    a, b = req("a", 3, max_tokens=5), req("b", 12, max_tokens=5)
+    s.add(a)
+    step(s)
+    s.add(b)
+    batch = step(s)
+    assert batch.extend_lens == (1, 7)  # a decodes, b gets the rest of the budget
+    assert batch.sample == (True, False)
+
+
+def test_max_running_requests_limits_admission():
+    s = make_scheduler(max_running=2)
+    for i in range(4):
+        s.add(req(str(i), 2))
+    step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 2
+
+
+@pytest.mark.parametrize("pages", [pytest.param(64, id="ample"), pytest.param(6, id="tight")])
+def test_retraction_keeps_outputs_identical(pages):
+    def outputs(p):
+        s = make_scheduler(pages=p, page_size=4)
+        reqs = [req(str(i), 5 + i, max_tokens=8) for i in range(5)]
+        run_to_completion(s, reqs)
+        assert s.kv.allocator.used_tokens == 0
+        return [r.output_ids for r in reqs], s.num_retractions
+
+    ample, _ = outputs(64)
+    got, retractions = outputs(pages)
+    assert got == ample
+    if pages == 6:
+        assert retractions > 0
+
+
+def test_stop_rules():
+    s = make_scheduler()
+    r = req("a", 3, max_tokens=50, stop_token_ids=(fake_token(req("x", 3)),))
+    run_to_completion(s, [r])
+    assert r.finish_reason is FinishReason.STOP and len(r.output_ids) == 1
+
+
+def test_context_length_stops_generation():
+    s = make_scheduler(context=10)
+    r = req("a", 8, max_tokens=50)
+    run_to_completion(s, [r])
+    assert r.finish_reason is FinishReason.LENGTH and r.num_fill == 10
+
+
+def test_abort_frees_kv_wherever_the_request_is():
+    s = make_scheduler(max_running=1)
+    a, b = req("a", 4, max_tokens=20), req("b", 4)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.abort("a") is a and s.abort("b") is b
+    assert a.finish_reason is b.finish_reason is FinishReason.ABORT
+    assert a.status is RequestStatus.FINISHED and not s.has_work()
+    assert s.kv.allocator.used_tokens == 0
+    s.kv.check_integrity()
+    assert s.abort("missing") is None
