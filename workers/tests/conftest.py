@@ -14,7 +14,9 @@ def tiny_models(tmp_path_factory):
 
     def get(variant: str = "gqa") -> str:
         if variant not in cache:
-            cache[variant] = str(make_tiny_checkpoint(tmp_path_factory.mktemp(variant), variant=variant))
+            cache[variant] = str(
+                make_tiny_checkpoint(tmp_path_factory.mktemp(variant), variant=variant)
+            )
         return cache[variant]
 
     return get

@@ -8,8 +8,8 @@ import random
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from specd.workers.config import spec_for_model
@@ -18,14 +18,18 @@ from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingPa
 
 
 def start_engine(model_path, **overrides) -> Engine:
-    engine = Engine(spec_for_model(model_path, model={"dtype": "float32"}, **overrides), device="cpu")
+    engine = Engine(
+        spec_for_model(model_path, model={"dtype": "float32"}, **overrides), device="cpu"
+    )
     engine.start()
     return engine
 
 
 async def collect(engine: Engine, rid: str, prompt, **params):
     tokens, text, last = [], "", None
-    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), SamplingParams(**params))):
+    async for delta in engine.generate(
+        GenerateRequest(rid, tuple(prompt), SamplingParams(**params))
+    ):
         tokens += delta.token_ids
         text += delta.text
         last = delta
@@ -57,10 +61,16 @@ def hf_greedy(model_path, prompts, max_new_tokens):
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                          eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
+        gen = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -93,7 +103,8 @@ def test_greedy_equals_transformers(tiny_models, references, variant, page_size)
     """Batch 1 and 16 concurrent mixed-length requests, chunked prefill on (chunk 8)."""
     prompts, expected = references(variant)
     engine = start_engine(
-        tiny_models(variant), kvCache={"pageSize": page_size, "maxTokens": 4096},
+        tiny_models(variant),
+        kvCache={"pageSize": page_size, "maxTokens": 4096},
         scheduler={"chunkedPrefillSize": 8},
     )
     try:
@@ -112,7 +123,8 @@ def test_greedy_equals_transformers(tiny_models, references, variant, page_size)
 def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references):
     prompts, expected = references("gqa")
     engine = start_engine(
-        tiny_models("gqa"), kvCache={"pageSize": 4, "maxTokens": 96},
+        tiny_models("gqa"),
+        kvCache={"pageSize": 4, "maxTokens": 96},
         scheduler={"chunkedPrefillSize": 64},
     )
     try:
@@ -145,8 +157,12 @@ def test_seeded_sampling_is_reproducible_and_varies(engine):
 def test_stop_token_and_stop_string(engine):
     prompt = [5, 6, 7, 8]
     tokens, text, _ = run_all(engine, [prompt], max_tokens=10, ignore_eos=True)[0]
-    stopped, _, last = run_all(engine, [prompt], max_tokens=10, stop_token_ids=(tokens[3],), ignore_eos=True)[0]
-    assert stopped == tokens[: tokens.index(tokens[3]) + 1] and last.finish_reason is FinishReason.STOP
+    stopped, _, last = run_all(
+        engine, [prompt], max_tokens=10, stop_token_ids=(tokens[3],), ignore_eos=True
+    )[0]
+    assert (
+        stopped == tokens[: tokens.index(tokens[3]) + 1] and last.finish_reason is FinishReason.STOP
+    )
     needle = text[len(text) // 2 : len(text) // 2 + 2]
     if needle.strip():
         _, cut, last = run_all(engine, [prompt], max_tokens=10, stop=(needle,), ignore_eos=True)[0]
@@ -178,14 +194,18 @@ def test_consumer_leaving_aborts_the_request(engine):
     aborts_before = metric_value(engine, "specd_aborts_total")
 
     async def go():
-        gen = engine.generate(GenerateRequest("leave", (5, 6, 7), SamplingParams(max_tokens=500, ignore_eos=True)))
+        gen = engine.generate(
+            GenerateRequest("leave", (5, 6, 7), SamplingParams(max_tokens=500, ignore_eos=True))
+        )
         async for _ in gen:
             break
         await gen.aclose()
 
     asyncio.run(go())
     deadline = time.monotonic() + 5
-    while metric_value(engine, "specd_aborts_total") == aborts_before and time.monotonic() < deadline:
+    while (
+        metric_value(engine, "specd_aborts_total") == aborts_before and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     assert metric_value(engine, "specd_aborts_total") == aborts_before + 1
     assert wait_idle(engine)

@@ -50,7 +50,9 @@ def test_grow_maps_positions_to_page_slots():
     assert m.grow(kv, 6)
     assert len(kv.pages) == 2 and kv.allocated == 6
     slots = m.slots(kv, 0, 6)
-    assert slots.tolist() == [kv.pages[0] * 4 + i for i in range(4)] + [kv.pages[1] * 4 + i for i in range(2)]
+    assert slots.tolist() == [kv.pages[0] * 4 + i for i in range(4)] + [
+        kv.pages[1] * 4 + i for i in range(2)
+    ]
     assert m.grow(kv, 8)  # fills the partial page without a new one
     assert len(kv.pages) == 2
     m.check_integrity()

@@ -47,8 +47,12 @@ class PagedRunner:
         cfg = model.config
         self.model, self.page_size = model, page_size
         self.pool = KVPool(
-            cfg.num_hidden_layers, num_pages * page_size, cfg.num_key_value_heads,
-            cfg.head_dim, next(model.parameters()).dtype, "cpu",
+            cfg.num_hidden_layers,
+            num_pages * page_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            next(model.parameters()).dtype,
+            "cpu",
         )
         self.backend = get_backend("torch")
         self.req_to_token = torch.zeros(num_rows, 64, dtype=torch.int32)  # [rows, width]
@@ -64,8 +68,8 @@ class PagedRunner:
                 slots = torch.arange(page * self.page_size, (page + 1) * self.page_size)
                 self.req_to_token[row, pos : pos + self.page_size] = slots.to(torch.int32)
 
-    def extend(self, rows: list[int], chunks: list[list[int]], **aux) -> torch.Tensor:
-        """Append ``chunks[i]`` to request ``rows[i]``; -> logits [sum(len(chunk)), vocab]."""
+    def _batch(self, rows: list[int], chunks: list[list[int]]):
+        """Append ``chunks[i]`` to request ``rows[i]``; -> (input_ids, positions, ctx)."""
         positions, locs = [], []
         for row, chunk in zip(rows, chunks, strict=True):
             start, end = self.seq_lens[row], self.seq_lens[row] + len(chunk)
@@ -74,14 +78,21 @@ class PagedRunner:
             locs.append(self.req_to_token[row, start:end].long())
             self.seq_lens[row] = end
         meta = build_attention_metadata(
-            self.req_to_token, torch.tensor(rows),
-            qo_lens=[len(c) for c in chunks], kv_lens=[self.seq_lens[r] for r in rows],
+            self.req_to_token,
+            torch.tensor(rows),
+            qo_lens=[len(c) for c in chunks],
+            kv_lens=[self.seq_lens[r] for r in rows],
         )
         ctx = ForwardContext(meta, torch.cat(locs), self.pool, self.backend)
-        input_ids = torch.tensor([t for c in chunks for t in c])
-        if aux:
-            return self.model.forward_with_aux(input_ids, torch.cat(positions), ctx, **aux)
-        return self.model.compute_logits(self.model(input_ids, torch.cat(positions), ctx))
+        return torch.tensor([t for c in chunks for t in c]), torch.cat(positions), ctx
+
+    def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """-> logits [sum(len(chunk)), vocab] of every appended token."""
+        return self.model.compute_logits(self.model(*self._batch(rows, chunks)))
+
+    def extend_with_aux(self, rows, chunks, capture_layers: tuple[int, ...]):
+        """-> (final-normed hidden [sum(len(chunk)), hidden], captured layers)."""
+        return self.model.forward_with_aux(*self._batch(rows, chunks), capture_layers)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -140,8 +151,8 @@ def test_paged_decode_matches_transformers_generate(models):
     for prompt, seq in zip(prompts, seqs, strict=True):
         generated = hf.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=DECODE_STEPS
-        )[0, len(prompt):].tolist()
-        assert seq[len(prompt):len(prompt) + len(generated)] == generated
+        )[0, len(prompt) :].tolist()
+        assert seq[len(prompt) : len(prompt) + len(generated)] == generated
         assert len(generated) == DECODE_STEPS or generated[-1] in ours.config.eos_token_ids
 
 
@@ -151,7 +162,7 @@ def test_captured_layers_match_transformers_hidden_states(models):
     (prompt,) = _prompts(ours.config.vocab_size, (6,))
     layers = ours.config.num_hidden_layers
     runner = PagedRunner(ours, page_size=1, num_pages=16, shuffle=False)
-    hidden, captured = runner.extend([0], [prompt], capture_layers=(0, 1, layers))
+    hidden, captured = runner.extend_with_aux([0], [prompt], (0, 1, layers))
     expected = hf(torch.tensor([prompt]), output_hidden_states=True)
     assert sorted(captured) == [0, 1, layers]
     for i in (0, 1):
@@ -160,11 +171,9 @@ def test_captured_layers_match_transformers_hidden_states(models):
     final = expected.hidden_states[layers][0]
     torch.testing.assert_close(hf.model.norm(captured[layers]), final, atol=ATOL, rtol=0)
     torch.testing.assert_close(hidden, final, atol=ATOL, rtol=0)
-    torch.testing.assert_close(
-        ours.compute_logits(hidden), expected.logits[0], atol=ATOL, rtol=0
-    )
+    torch.testing.assert_close(ours.compute_logits(hidden), expected.logits[0], atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="out of range"):
-        runner.extend([1], [prompt], capture_layers=(layers + 1,))
+        runner.extend_with_aux([1], [prompt], (layers + 1,))
 
 
 @pytest.mark.parametrize(
@@ -173,8 +182,11 @@ def test_captured_layers_match_transformers_hidden_states(models):
         None,
         {"rope_type": "linear", "factor": 4.0},
         {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 512,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
         },
     ],
     ids=["default", "linear", "llama3"],
@@ -199,20 +211,66 @@ def test_rope_config_read_from_old_and_new_keys():
     with pytest.raises(ModelLoadError, match="'yarn' is not supported"):
         parse_rope({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ModelLoadError, match="original_max_position_embeddings"):
-        parse_rope({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+        parse_rope(
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                }
+            }
+        )
 
 
-def _edit_config(folder, **changes) -> None:
-    path = folder / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+def _edit_config(**changes):
+    def edit(folder):
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+    return edit
 
 
-def _edit_weights(folder, edit) -> None:
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    edit(weights)
-    save_file(weights, path)
+def _edit_weights(edit):
+    def apply(folder):
+        path = folder / "model.safetensors"
+        weights = load_file(path)
+        edit(weights)
+        save_file(weights, path)
+
+    return apply
+
+
+def _delete(name: str):
+    return lambda folder: (folder / name).unlink()
+
+
+UP_PROJ = "model.layers.1.mlp.up_proj.weight"
+K_PROJ = "model.layers.2.self_attn.k_proj.weight"
+LOAD_ERRORS = {  # case -> (damage to a copy of the gqa checkpoint, expected message)
+    "architecture": (
+        _edit_config(architectures=["GPT2LMHeadModel"]),
+        "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM",
+    ),
+    "sliding-window": (
+        _edit_config(architectures=["MistralForCausalLM"], sliding_window=16),
+        "sliding_window=16",
+    ),
+    "shape": (
+        _edit_weights(lambda w: w.update({UP_PROJ: torch.zeros(100, 64)})),
+        rf"{UP_PROJ} has shape \(100, 64\), expected \(128, 64\)",
+    ),
+    "missing": (_edit_weights(lambda w: w.pop(K_PROJ)), f"missing tensors: {K_PROJ}"),
+    "unexpected": (
+        _edit_weights(lambda w: w.update({"model.extra.weight": torch.zeros(2)})),
+        "unexpected tensors: model.extra.weight",
+    ),
+    "no-weights": (
+        _delete("model.safetensors"),
+        "no weights in .*ckpt: expected model.safetensors",
+    ),
+    "no-config": (_delete("config.json"), "has no config.json"),
+}
 
 
 def test_bf16_load_and_forward(tmp_path, gqa_dir):
@@ -231,34 +289,17 @@ def test_bf16_load_and_forward(tmp_path, gqa_dir):
     assert torch.cosine_similarity(logits, expected, dim=-1).min() > 0.99
 
 
-@pytest.mark.parametrize(
-    ("damage", "message"),
-    [
-        (lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]),
-         "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM"),
-        (lambda d: _edit_config(d, architectures=["MistralForCausalLM"], sliding_window=16),
-         "sliding_window=16"),
-        (lambda d: _edit_weights(d, lambda w: w.update(
-            {"model.layers.1.mlp.up_proj.weight": torch.zeros(100, 64)})),
-         r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\), expected \(128, 64\)"),
-        (lambda d: _edit_weights(d, lambda w: w.pop("model.layers.2.self_attn.k_proj.weight")),
-         "missing tensors: model.layers.2.self_attn.k_proj.weight"),
-        (lambda d: _edit_weights(d, lambda w: w.update({"model.extra.weight": torch.zeros(2)})),
-         "unexpected tensors: model.extra.weight"),
-        (lambda d: (d / "model.safetensors").unlink(), "no weights in .*ckpt: expected model.safetensors"),
-        (lambda d: (d / "config.json").unlink(), "has no config.json"),
-    ],
-    ids=["architecture", "sliding-window", "shape", "missing", "unexpected", "no-weights", "no-config"],
-)
-def test_load_errors_name_the_problem(broken_dir, damage, message):
+@pytest.mark.parametrize("case", list(LOAD_ERRORS))
+def test_load_errors_name_the_problem(broken_dir, case):
+    damage, message = LOAD_ERRORS[case]
     damage(broken_dir)
     with pytest.raises(ModelLoadError, match=message):
         load_model(broken_dir)
 
 
 def test_load_ignores_rope_buffer_and_reports_missing_folder_and_shard(broken_dir, tmp_path):
-    _edit_weights(broken_dir, lambda w: w.update(
-        {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}))
+    rope_buffer = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    _edit_weights(lambda w: w.update({rope_buffer: torch.zeros(8)}))(broken_dir)
     load_model(broken_dir)
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nowhere")
@@ -270,9 +311,15 @@ def test_load_ignores_rope_buffer_and_reports_missing_folder_and_shard(broken_di
 
 def test_qwen2_bias_layout():
     raw = {
-        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "sliding_window": 4096, "use_sliding_window": False, "eos_token_id": [5, 6],
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "eos_token_id": [5, 6],
     }
     config = ModelConfig.from_dict(raw, generation={"eos_token_id": [6, 7]})
     assert config.attention_bias and not config.o_proj_bias

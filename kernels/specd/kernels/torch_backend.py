@@ -27,7 +27,11 @@ def _request_mask(meta: AttentionMetadata, i: int, device: torch.device) -> torc
 def _attend(q, k, v, mask, scale):
     """q [b, H, q, D], k/v [b, Hkv, kv, D], mask broadcastable to [b, H, q, kv]."""
     return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
 
@@ -50,8 +54,7 @@ class TorchAttentionBackend:
         qo = meta.qo_indptr.tolist()
         kv = meta.kv_indptr.tolist()
         decode_rows = [
-            i for i in range(meta.batch_size)
-            if meta.qo_lens[i] == 1 and meta.custom_mask is None
+            i for i in range(meta.batch_size) if meta.qo_lens[i] == 1 and meta.custom_mask is None
         ]
         if decode_rows:
             self._decode(q, k_buffer, v_buffer, meta, scale, decode_rows, qo, kv, out)
@@ -79,6 +82,9 @@ class TorchAttentionBackend:
         v = v_buffer[slots].transpose(1, 2)
         q_rows = torch.tensor([qo[i] for i in rows], device=device)
         qd = q[q_rows][:, :, None, :]  # [b, H, 1, D]
-        valid = torch.arange(max_kv, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        valid = (
+            torch.arange(max_kv, device=device)[None, :]
+            < torch.tensor(lens, device=device)[:, None]
+        )
         o = _attend(qd, k, v, valid[:, None, None, :], scale)  # [b, H, 1, D]
         out[q_rows] = o[:, :, 0, :]

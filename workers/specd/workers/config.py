@@ -196,7 +196,9 @@ def refuse_unsupported(spec: DeploymentSpec) -> None:
 def parse_deployment(doc: dict[str, Any]) -> SpecDecodeDeployment:
     """Validate a parsed YAML/JSON document into a deployment (raises ConfigError)."""
     if not isinstance(doc, dict):
-        raise ConfigError("a SpecDecodeDeployment must be a mapping with apiVersion, kind, metadata, spec")
+        raise ConfigError(
+            "a SpecDecodeDeployment must be a mapping with apiVersion, kind, metadata, spec"
+        )
     try:
         sdd = SpecDecodeDeployment.model_validate(doc)
     except ValidationError as err:
@@ -242,5 +244,10 @@ def spec_for_model(model_path: str, name: str = "local", **spec: Any) -> Deploym
     Used by ``specd generate`` and tests, which have a model folder but no YAML file.
     """
     spec = {**spec, "model": {"path": model_path, **spec.get("model", {})}}
-    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": spec}
+    doc = {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
     return parse_deployment(doc).spec

@@ -38,12 +38,17 @@ class EngineMetrics:
         def histogram(name, doc, buckets=_LATENCY_BUCKETS):
             return Histogram(name, doc, lbl, registry=r, buckets=buckets).labels(replica)
 
-        self.requests_running = gauge("specd_requests_running", "Requests holding KV and being served")
+        self.requests_running = gauge(
+            "specd_requests_running", "Requests holding KV and being served"
+        )
         self.requests_queued = gauge("specd_requests_queued", "Requests waiting for admission")
         self.kv_tokens_total = gauge("specd_kv_tokens_total", "Token slots in the KV pool")
-        self.kv_tokens_used = gauge("specd_kv_tokens_used", "Token slots held by requests (whole pages)")
+        self.kv_tokens_used = gauge(
+            "specd_kv_tokens_used", "Token slots held by requests (whole pages)"
+        )
         self.kv_tokens_reserved = gauge(
-            "specd_kv_tokens_reserved", "Slots allocated beyond committed length, summed over requests"
+            "specd_kv_tokens_reserved",
+            "Slots allocated beyond committed length, summed over requests",
         )
         self.engine_healthy = gauge("specd_engine_healthy", "1 while the engine loop is healthy")
         self.ttft = histogram("specd_time_to_first_token_seconds", "Arrival to first output token")
@@ -55,6 +60,11 @@ class EngineMetrics:
         self.aborts = counter("specd_aborts", "Requests aborted before finishing")
         self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
         self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
+        self.step_seconds = counter(
+            "specd_engine_step_seconds",
+            "Engine loop time by phase (host bookkeeping vs model)",
+            ["phase"],
+        )
         self.replica = replica
         self.engine_healthy.set(1)
 

@@ -9,6 +9,7 @@ step, and posts deltas back to each request's asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -76,6 +77,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status: dict = {}
+        self.step_seconds = {"host": 0.0, "model": 0.0}  # loop time outside / inside the model
 
     # -- construction ------------------------------------------------------
     def start(self) -> None:
@@ -98,14 +100,18 @@ class Engine:
             self.kv,
         )
         self._refresh_status()
-        self._thread = threading.Thread(target=self._loop, name=f"specd-engine-{self.replica}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"specd-engine-{self.replica}", daemon=True
+        )
         self._thread.start()
 
     def _build_memory(self) -> None:
         cfg, spec = self.model_config, self.spec
         page = spec.kv_cache.page_size
         dtype = next(self.model.parameters()).dtype
-        per_token = KVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        per_token = KVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype
+        )
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, self.context_length)
         num_pages = tokens // page
@@ -115,7 +121,12 @@ class Engine:
         )
         self.kv = KVManager(self.req_pool, self.allocator)
         self.kv_pool = KVPool(
-            cfg.num_hidden_layers, num_pages * page, cfg.num_key_value_heads, cfg.head_dim, dtype, self.device
+            cfg.num_hidden_layers,
+            num_pages * page,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+            self.device,
         )
         backend = get_backend(spec.attention_backend, self.device.type)
         self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
@@ -154,7 +165,11 @@ class Engine:
         except InvalidRequest as err:
             yield self._error_delta(request.rid, str(err), 400)
             return
-        req = Req(rid=request.rid or uuid.uuid4().hex, prompt_ids=list(request.prompt_ids), params=request.params)
+        req = Req(
+            rid=request.rid or uuid.uuid4().hex,
+            prompt_ids=list(request.prompt_ids),
+            params=request.params,
+        )
         detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), request.params.stop)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), req, detok)
         self._post(("add", stream))
@@ -215,16 +230,24 @@ class Engine:
 
     def step(self) -> None:
         """Schedule, run and account one batch."""
+        t0 = time.perf_counter()
         retractions_before = self.scheduler.num_retractions
         batch = self.scheduler.schedule()
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
+        model_s = 0.0
         if batch is not None:
             kind = "decode" if all(n == 1 for n in batch.extend_lens) else "extend"
             self.metrics.steps.labels(self.replica, kind).inc()
+            t1 = time.perf_counter()
             result = self.runner.run(batch)
+            model_s = time.perf_counter() - t1
             for req in self.scheduler.process_result(batch, result):
                 self._emit(req)
         self._refresh_status()
+        host_s = time.perf_counter() - t0 - model_s
+        for phase, seconds in (("host", host_s), ("model", model_s)):
+            self.step_seconds[phase] += seconds
+            self.metrics.step_seconds.labels(self.replica, phase).inc(seconds)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -254,14 +277,14 @@ class Engine:
             self.scheduler.finish(req, FinishReason.STOP)
             text += stream.detok.feed(req.fill_ids, final=True)
         stream.sent_tokens = len(req.output_ids)
-        delta = GenerateDelta(rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished)
+        delta = GenerateDelta(
+            rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished
+        )
         if req.finished:
             delta = self._finish_delta(req, delta, now)
             del self._streams[req.rid]
-        try:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
-        except RuntimeError:  # the consumer's event loop is gone; nobody is listening
-            pass
 
     def _observe_token_times(self, req: Req, now: float, count: int) -> None:
         self.metrics.generation_tokens.inc(count)
@@ -277,8 +300,13 @@ class Engine:
         self.metrics.finished.labels(self.replica, req.finish_reason.value).inc()
         usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
         return GenerateDelta(
-            rid=delta.rid, token_ids=delta.token_ids, text=delta.text, finished=True,
-            finish_reason=req.finish_reason, usage=usage, error=req.error,
+            rid=delta.rid,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            finished=True,
+            finish_reason=req.finish_reason,
+            usage=usage,
+            error=req.error,
         )
 
     def _on_idle(self) -> None:

@@ -38,7 +38,10 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         table = self.req_pool.req_to_token
-        out_cache_loc = table[rows_t.repeat_interleave(torch.tensor(batch.extend_lens, device=self.device)), positions_t]
+        out_cache_loc = table[
+            rows_t.repeat_interleave(torch.tensor(batch.extend_lens, device=self.device)),
+            positions_t,
+        ]
         return input_ids, positions_t, rows_t, out_cache_loc
 
     @torch.inference_mode()

@@ -17,7 +17,9 @@ def _generator(req: Req, device: torch.device) -> torch.Generator:
     return req.sampler_state
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
     """[V] probabilities after temperature, top-k and top-p (nucleus) cuts."""
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:

@@ -140,4 +140,6 @@ class KVManager:
         for kv in self._live.values():
             kv.assert_lengths(self.row_width)
             if len(kv.pages) != ceil_page(kv.allocated, self.page_size) // self.page_size:
-                raise AssertionError(f"row {kv.row}: {len(kv.pages)} pages for {kv.allocated} positions")
+                raise AssertionError(
+                    f"row {kv.row}: {len(kv.pages)} pages for {kv.allocated} positions"
+                )

@@ -64,7 +64,9 @@ def row_width(context_length: int, spec: SpecShape | None, page_size: int) -> in
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
-def kv_pool_tokens(kv_cache, bytes_per_token: int, free_device_bytes: int | None, context_length: int) -> int:
+def kv_pool_tokens(
+    kv_cache, bytes_per_token: int, free_device_bytes: int | None, context_length: int
+) -> int:
     """Token slots in the KV pool, page aligned.
 
     ``kvCache.maxTokens`` wins; else ``memFraction`` of free device memory (GPU);

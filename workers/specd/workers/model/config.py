@@ -59,12 +59,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """Parse a ``config.json`` dict (and optionally ``generation_config.json``'s)."""
         architecture = _architecture(raw)
         _refuse_unsupported(raw, architecture)
@@ -132,7 +130,9 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
         high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)
+            params.get(
+                "original_max_position_embeddings", defaults.original_max_position_embeddings
+            )
         ),
     )
 

@@ -39,7 +39,9 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
         return dtype
     name = (config.torch_dtype or "float32") if dtype == "auto" else dtype
     if name not in _DTYPES:
-        raise ModelLoadError(f"dtype {name!r} is not supported; supported: auto, {', '.join(_DTYPES)}")
+        raise ModelLoadError(
+            f"dtype {name!r} is not supported; supported: auto, {', '.join(_DTYPES)}"
+        )
     return _DTYPES[name]
 
 
@@ -51,7 +53,9 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / shard for shard in shards]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{index} names shard files that do not exist: {', '.join(missing)}")
+            raise ModelLoadError(
+                f"{index} names shard files that do not exist: {', '.join(missing)}"
+            )
         return files
     single = folder / "model.safetensors"
     if single.is_file():

@@ -69,7 +69,7 @@ class RotaryEmbedding(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1) over the two halves of the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x2, -x1), dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
