@@ -68,6 +68,8 @@ class SpecdRunner:
 
 
 class TransformersRunner:
+    """``generate`` on one left-padded static batch (how a script would batch)."""
+
     name = "transformers"
 
     def __init__(self, model: str, dtype: str):
@@ -96,6 +98,18 @@ class TransformersRunner:
         pass
 
 
+class TransformersServingRunner(TransformersRunner):
+    """``generate`` one request at a time: a server without continuous batching."""
+
+    name = "transformers-seq"
+
+    def __init__(self, base: TransformersRunner):
+        self.model = base.model
+
+    def run(self, prompts, new_tokens):
+        return [super(TransformersServingRunner, self).run([p], new_tokens)[0] for p in prompts]
+
+
 class VllmRunner:
     """Runs vLLM in its own virtualenv through bench_vllm_worker.py (one process per call)."""
 
@@ -121,7 +135,8 @@ class VllmRunner:
         res = subprocess.run(
             cmd, input=json.dumps(prompts), capture_output=True, text=True, check=True
         )
-        result = json.loads(res.stdout.strip().splitlines()[-1])
+        line = next(ln for ln in res.stdout.splitlines() if ln.startswith('{"seconds"'))
+        result = json.loads(line)
         return result["seconds"], result["outputs"]
 
 
@@ -179,7 +194,8 @@ def main(argv=None):
         for batch in args.batch:
             prompts = make_prompts(batch, vocab, seed=batch)
             reference = [hf.run([p], args.new_tokens)[0] for p in prompts]
-            bench_batch([specd, hf], vllm, prompts, args.new_tokens, args.repeats, reference)
+            runners = [specd, hf] + ([TransformersServingRunner(hf)] if batch > 1 else [])
+            bench_batch(runners, vllm, prompts, args.new_tokens, args.repeats, reference)
         print(
             f"\nspecd host (scheduler + bookkeeping) share of step time: {specd.host_share():.1%}"
         )

@@ -24,10 +24,13 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    with open(f"{args.model}/config.json") as f:
+        max_len = json.load(f)["max_position_embeddings"]
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        max_model_len=1024,
+        max_model_len=max_len,
+        gpu_memory_utilization=0.3,  # on CPU: share of node memory for the KV cache
         enforce_eager=True,
         max_num_seqs=max(len(prompts), 1),
         seed=0,

@@ -1,0 +1,106 @@
+"""The engine actor: one `Engine` in a Ray actor process, plus draining.
+
+The pool controller creates these with `create_engine_actor`; the gateway streams a
+request with ``actor.generate.options(num_returns="streaming").remote(req)``.  Leaving
+that stream early (``ray.cancel`` on the generator) cancels the actor task, which
+closes the engine's generator and aborts the request inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from specd.workers.config import DeploymentSpec
+from specd.workers.engine.engine import Engine
+from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
+
+# Every in-flight stream holds one concurrency slot, and status/ping/abort calls must
+# never wait behind them.
+MAX_CONCURRENCY = 10_000
+_DRAIN_POLL_S = 0.05
+
+
+class EngineActor:
+    """Ray actor body; every method is async so the actor runs on one event loop."""
+
+    def __init__(self, spec: DeploymentSpec, replica: str):
+        self._spec = spec
+        self._engine = Engine(spec, replica=replica)
+        self._engine.start()
+        self._draining = False
+        self._inflight = 0
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream ``req``'s deltas; while draining, refuse it with a 503 delta."""
+        if self._draining:
+            yield GenerateDelta(
+                rid=req.rid,
+                finished=True,
+                finish_reason=FinishReason.ERROR,
+                error=f"replica {self._engine.replica} is draining; retry on another replica",
+                error_code=503,
+            )
+            return
+        self._inflight += 1
+        try:
+            async with contextlib.aclosing(self._engine.generate(req)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self._inflight -= 1
+
+    async def abort(self, rid: str) -> None:
+        self._engine.abort(rid)
+
+    async def info(self) -> dict[str, Any]:
+        """Static facts: answered once the model is loaded (the readiness signal)."""
+        return {
+            "replica": self._engine.replica,
+            "config_hash": self._spec.config_hash(),
+            "model": self._spec.served_model_name,
+            "context_length": self._engine.context_length,
+            "device": str(self._engine.device),
+        }
+
+    async def status(self) -> dict[str, Any]:
+        return dict(self._engine.status(), draining=self._draining, inflight=self._inflight)
+
+    async def metrics_text(self) -> bytes:
+        return self._engine.metrics_text()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait for in-flight ones; returns how many remain."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return self._inflight
+
+    async def ping(self) -> bool:
+        return True
+
+
+_RemoteEngineActor = ray.remote(EngineActor)
+
+
+def create_engine_actor(
+    spec: DeploymentSpec, *, replica: str, actor_name: str
+) -> ray.actor.ActorHandle:
+    """Start an actor serving ``spec``; it is ready once ``info()`` answers.
+
+    ``max_restarts=0``: the pool controller replaces a dead actor itself (under a new
+    replica name) so that the dead one's in-flight requests fail cleanly.
+    """
+    return _RemoteEngineActor.options(
+        name=actor_name,
+        num_gpus=spec.resources.gpus,
+        num_cpus=spec.resources.cpu,
+        max_restarts=0,
+        max_concurrency=MAX_CONCURRENCY,
+    ).remote(spec, replica)

@@ -1,0 +1,149 @@
+"""The ``specd`` command.
+
+    specd serve FILE.yaml [--host 127.0.0.1] [--port 8000]   gateway + engine actors on Ray
+    specd generate --model DIR [--max-tokens N] PROMPT     one engine in-process, no Ray
+    specd validate FILE.yaml                               check a SpecDecodeDeployment
+
+Exit codes: 0 success (``serve`` also after SIGINT/SIGTERM), 1 a failed generation,
+2 an invalid spec or model folder (the message names the field; no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from specd.workers.config import ConfigError, load_deployment, spec_for_model
+from specd.workers.model.config import ModelLoadError
+
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from specd.workers.gateway import Gateway  # imports Ray: only for `serve`
+
+    sdd = load_deployment(args.file)
+    spec = sdd.spec
+    gateway = Gateway(
+        spec,
+        name=sdd.metadata.name,
+        host=args.host,
+        port=args.port,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+    def ready(url: str) -> None:
+        body = f'{{"model": "{spec.served_model_name}", "prompt": "Hello", "max_tokens": 32}}'
+        print(f"specd: {sdd.metadata.name} ready ({spec.replicas} replicas) on {url}", flush=True)
+        print(
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+            flush=True,
+        )
+
+    print(
+        f"specd: starting {sdd.metadata.name} ({spec.replicas} replicas of {spec.served_model_name})",
+        flush=True,
+    )
+    asyncio.run(gateway.run(on_ready=ready))
+    print("specd: stopped", flush=True)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specd.workers.engine.engine import Engine
+    from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
+    from specd.workers.model.tokenizer import apply_chat_template
+
+    kv = {"kvCache": {"maxTokens": args.kv_tokens}} if args.kv_tokens else {}
+    spec = spec_for_model(str(Path(args.model).resolve()), **kv)
+    engine = Engine(spec, device=args.device)
+    engine.start()
+    try:
+        tok = engine.tokenizer
+        ids = (
+            apply_chat_template(tok, [{"role": "user", "content": args.prompt}])
+            if args.chat
+            else tok(args.prompt)["input_ids"]
+        )
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+
+        async def run() -> int:
+            async for delta in engine.generate(GenerateRequest("cli", tuple(ids), params)):
+                print(delta.text, end="", flush=True)
+                if delta.finish_reason is FinishReason.ERROR:
+                    print(f"\nspecd: {delta.error}", file=sys.stderr)
+                    return EXIT_FAILED
+            print()
+            return 0
+
+        return asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def _validate(args: argparse.Namespace) -> int:
+    sdd = load_deployment(args.file)
+    spec = sdd.spec
+    print(
+        f"OK: {args.file}: {sdd.metadata.name} serves {spec.served_model_name} "
+        f"({spec.replicas} replicas, config hash {spec.config_hash()})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="Speculative-decoding LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="serve a SpecDecodeDeployment file on a local (or RAY_ADDRESS) Ray"
+    )
+    serve.add_argument("file", help="SpecDecodeDeployment YAML")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    serve.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds open requests get at shutdown"
+    )
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate text from a local model folder (no Ray)")
+    gen.add_argument("--model", required=True, help="Hugging Face model folder")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)"
+    )
+    gen.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=_generate)
+
+    val = sub.add_parser("validate", help="check a SpecDecodeDeployment file")
+    val.add_argument("file")
+    val.set_defaults(func=_validate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("specd").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except (ConfigError, ModelLoadError) as err:
+        print(f"specd: {err}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

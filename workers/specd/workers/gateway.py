@@ -1,0 +1,630 @@
+"""The gateway: OpenAI HTTP API, health, metrics and admin status over a `PoolController`.
+
+`build_app` makes the FastAPI app; `Gateway` is the process around it (Ray connection,
+pool controller, uvicorn, signal handling) that ``specd serve`` and the Kubernetes
+gateway pod run.
+
+Request path (both generation endpoints share it; only the `ResponseFormat` differs):
+validate (pydantic -> 400 naming the field) -> check the model name (404) -> tokenize
+-> pick a replica (router) -> stream deltas from its actor.  The response starts only
+once the first delta is in, so a request the engine refuses (prompt too long, ...)
+answers with its real status code even when ``stream`` is set.  A replica that is
+draining or dies before producing output is skipped for another one; one that dies
+mid-stream ends the request with an error (503), never a hang.  A client that goes
+away cancels the Ray stream, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import ray
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import PreTrainedTokenizerBase
+
+from specd.workers.config import DeploymentSpec
+from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
+from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
+from specd.workers.openai_protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResponseFormat,
+    UsageInfo,
+    error_body,
+)
+from specd.workers.pool import PoolController, ReplicaError, ReplicaState
+
+log = logging.getLogger(__name__)
+
+RAY_NAMESPACE = "specd"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CLIENT_CLOSED = 499  # nginx's convention; only ever seen in metrics
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, param).model_dump(mode="json"), status_code=status
+    )
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+# -- metrics --------------------------------------------------------------------
+
+
+class GatewayMetrics:
+    """The gateway's own series, next to the merged engine series on ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specd_gateway_requests",
+            "HTTP requests answered, by route and status code",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "specd_gateway_requests_in_flight",
+            "HTTP requests being answered",
+            registry=self.registry,
+        )
+        self.replicas = Gauge(
+            "specd_gateway_replicas", "Engine actors by state", ["state"], registry=self.registry
+        )
+
+    def observe_pool(self, pool: PoolController) -> None:
+        states = [a["state"] for a in pool.status()["actors"]]
+        for state in ReplicaState:
+            self.replicas.labels(state.value).set(states.count(state.value))
+
+
+def merge_expositions(texts: Iterable[str], *registries: CollectorRegistry) -> bytes:
+    """One exposition from several: families merged by name, so HELP/TYPE appear once.
+
+    Engine samples already carry distinct ``replica`` labels, so samples never collide.
+    A family whose type differs from the first one seen (a mixed-version rollout) is
+    dropped rather than emitted invalid.
+    """
+    families: dict[str, Metric] = {}
+
+    def add(family: Metric) -> None:
+        have = families.setdefault(family.name, family)
+        if have is family:
+            return
+        if have.type == family.type:
+            have.samples.extend(family.samples)
+        else:
+            log.warning(
+                "metric %s: type %s conflicts with %s; dropped", family.name, family.type, have.type
+            )
+
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            add(family)
+    for registry in registries:
+        for family in registry.collect():
+            add(family)
+
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(_Families(list(families.values())))
+    return generate_latest(merged)
+
+
+class _Families:
+    """A collector that returns fixed families (what `generate_latest` renders)."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+class _CountRequests:
+    """ASGI middleware: counts every response by route template and status code."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.in_flight.dec()
+            endpoint = getattr(scope.get("route"), "path", "other")  # never raw paths: cardinality
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+# -- request plumbing --------------------------------------------------------------
+
+
+def _param_of_location(loc: tuple, body: Any) -> str | None:
+    """``messages[0].role`` from a pydantic error location, following the real body.
+
+    Location parts not present in the body (pydantic's union-member tags) end the
+    path, except a final missing key, which is the field being asked for.
+    """
+    path, node = "", body
+    for i, part in enumerate(loc[1:]):  # loc[0] is "body"
+        if isinstance(part, int) and isinstance(node, list) and part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        elif (
+            isinstance(part, str) and isinstance(node, dict) and (part in node or i == len(loc) - 2)
+        ):
+            path, node = f"{path}.{part}" if path else part, node.get(part)
+        else:
+            break
+    return path or None
+
+
+def _validation_message(err: dict, param: str | None) -> str:
+    if err["type"] == "json_invalid":
+        return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+    if err["type"] == "model_attributes_type" or (
+        err["loc"] == ("body",) and err["type"] != "missing"
+    ):
+        return "request body must be a JSON object (send Content-Type: application/json)"
+    if err["type"] == "missing":
+        return f"{param or 'request body'}: field required"
+    msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+    return f"{param}: {msg}" if param else msg
+
+
+def _param_of_message(message: str) -> str | None:
+    """Engine refusals start with the field they are about: ``"prompt: ..."``."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def _error_delta(rid: str, status: int, message: str) -> GenerateDelta:
+    return GenerateDelta(
+        rid=rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_code=status
+    )
+
+
+def _failure(delta: GenerateDelta) -> ApiError | None:
+    """The error a final delta stands for, if it is not a normal finish."""
+    if delta.finish_reason is FinishReason.ERROR:
+        status = delta.error_code or 500
+        message = delta.error or "the engine failed to serve the request"
+        return ApiError(status, message, _param_of_message(message) if status < 500 else None)
+    if delta.finish_reason is FinishReason.ABORT:
+        return ApiError(503, "the request was aborted: the replica is shutting down; retry")
+    return None
+
+
+async def _prepend(
+    first: GenerateDelta, rest: AsyncGenerator[GenerateDelta, None]
+) -> AsyncGenerator[GenerateDelta, None]:
+    """``first`` then ``rest``; closing this closes ``rest`` (and so the Ray stream)."""
+    async with contextlib.aclosing(rest):
+        yield first
+        if not first.finished:
+            async for delta in rest:
+                yield delta
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the body was already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it and raise `_ClientGone`."""
+    work = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise _ClientGone
+    return work.result()
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class _Api:
+    """Route logic shared by the endpoints (kept out of closures to stay testable)."""
+
+    def __init__(self, pool: PoolController, tokenizer: PreTrainedTokenizerBase):
+        self.pool = pool
+        self.tokenizer = tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.pool.spec.served_model_name
+
+    def context_length(self) -> int:
+        for replica in self.pool.ready():
+            if replica.info.get("context_length"):
+                return int(replica.info["context_length"])
+        raise ApiError(503, "no ready replica; retry shortly")
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+            )
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return list(self.tokenizer(body.prompt)["input_ids"])
+        return list(body.prompt)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, body.chat_messages())
+        except Exception as err:  # jinja template errors: the messages do not fit the template
+            raise ApiError(
+                400, f"messages: the model's chat template refused them: {err}", "messages"
+            ) from err
+
+    async def generate(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        fmt: ResponseFormat,
+        prompt_ids: list[int],
+        default_max_tokens: int,
+    ) -> Response:
+        rid = fmt.id_prefix + uuid.uuid4().hex
+        req = GenerateRequest(rid, tuple(prompt_ids), body.sampling_params(default_max_tokens))
+        deltas = self.deltas(req)
+        try:
+            first = await _unless_disconnected(request, anext(deltas))
+            if (failure := _failure(first)) is not None:
+                raise failure
+            if body.stream:
+                events = self.stream_events(fmt, rid, _prepend(first, deltas), body.include_usage)
+                deltas = None  # handed to the response, which closes it
+                return StreamingResponse(events, media_type="text/event-stream")
+            return await _unless_disconnected(request, self.respond(fmt, rid, first, deltas))
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            if deltas is not None:
+                await deltas.aclose()
+
+    async def deltas(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
+        """``req``'s deltas from the least-loaded replica; errors arrive as error deltas.
+
+        Until the first delta is out, a replica that is draining (503) or dies is
+        skipped for another one: nothing was shown to the client yet.
+        """
+        tried: set[str] = set()
+        refusal = _error_delta(req.rid, 503, "no ready replica can take the request; retry shortly")
+        while (replica := self.pool.pick(exclude=tried)) is not None:
+            tried.add(replica.name)
+            sent = False
+            try:
+                async with contextlib.aclosing(self.pool.stream(replica, req)) as stream:
+                    async for delta in stream:
+                        if not sent and delta.finished and delta.error_code == 503:
+                            refusal = delta  # draining or unhealthy: try another replica
+                            break
+                        sent = True
+                        yield delta
+                if sent:
+                    return
+            except ReplicaError as err:
+                if sent or not err.lost:
+                    yield _error_delta(req.rid, 503 if err.lost else 500, str(err))
+                    return
+        yield refusal
+
+    async def respond(
+        self,
+        fmt: ResponseFormat,
+        rid: str,
+        first: GenerateDelta,
+        rest: AsyncGenerator[GenerateDelta, None],
+    ) -> Response:
+        """The whole (non-streaming) response, or the error the request ended with."""
+        text, last = [], first
+        async for delta in _prepend(first, rest):
+            text.append(delta.text)
+            last = delta
+        if (failure := _failure(last)) is not None:
+            return error_response(failure.status, failure.message, failure.param)
+        usage = UsageInfo.from_engine(last.usage) if last.usage else None
+        return _json(
+            fmt.response(rid, self.model_name, "".join(text), last.finish_reason.value, usage)
+        )
+
+    async def stream_events(
+        self,
+        fmt: ResponseFormat,
+        rid: str,
+        deltas: AsyncGenerator[GenerateDelta, None],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """SSE ``data:`` events, an error event if the request fails, then ``[DONE]``."""
+        model = self.model_name
+        try:
+            if (opening := fmt.opening_chunk(rid, model)) is not None:
+                yield _sse(opening)
+            async for delta in deltas:
+                if (failure := _failure(delta)) is not None:
+                    yield _sse(error_body(failure.status, failure.message, failure.param))
+                    break
+                finish = delta.finish_reason.value if delta.finished else None
+                if delta.text or finish:
+                    yield _sse(fmt.chunk(rid, model, delta.text, finish))
+                if delta.finished and include_usage and delta.usage:
+                    yield _sse(fmt.usage_chunk(rid, model, UsageInfo.from_engine(delta.usage)))
+            yield "data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()  # client gone: cancels the Ray stream -> engine abort
+
+
+def build_app(pool: PoolController, tokenizer: PreTrainedTokenizerBase) -> FastAPI:
+    """The gateway's FastAPI app over ``pool`` (which must be started by the caller)."""
+    app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(pool, tokenizer)
+    metrics = GatewayMetrics()
+    app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        param = _param_of_location(tuple(err["loc"]), exc.body)
+        return error_response(400, _validation_message(err, param), param)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        api.check_model(body.model)
+        api.context_length()  # 503 before tokenizing when nothing can serve
+        prompt = api.completion_prompt(body)
+        return await api.generate(
+            request, body, CompletionFormat(), prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        api.check_model(body.model)
+        context_length = api.context_length()
+        prompt = api.chat_prompt(body)
+        # OpenAI's chat default: as long as the context allows (the engine stops there)
+        default_max_tokens = max(1, context_length - len(prompt))
+        return await api.generate(request, body, ChatFormat(), prompt, default_max_tokens)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        lengths = [r.info.get("context_length") for r in pool.ready()]
+        return _json(
+            ModelList(data=[ModelCard(id=api.model_name, max_model_len=next(iter(lengths), None))])
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = pool.ready()
+        unhealthy = [r.name for r in ready if not r.healthy]
+        ok = bool(ready) and not unhealthy
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "ready_replicas": len(ready),
+            "desired_replicas": pool.spec.replicas,
+            "unhealthy_replicas": unhealthy,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.observe_pool(pool)
+        text = merge_expositions(await pool.metrics_texts(), metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/status")
+    async def admin_status() -> JSONResponse:
+        return JSONResponse(pool.status())
+
+    return app
+
+
+# -- the serving process --------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture: `Gateway` owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class Gateway:
+    """Ray connection + pool controller + HTTP server: what ``specd serve`` runs.
+
+    Connects to ``RAY_ADDRESS`` (or ``spec.ray.address``) when set, else starts a
+    local Ray; an already initialized Ray (tests) is used as is and left running.
+    SIGINT/SIGTERM (or `stop`) stop accepting connections, let open requests finish
+    (up to ``drain_timeout_s``), drain and kill the actors.
+    """
+
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        *,
+        name: str = "specd",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        drain_timeout_s: float = 30.0,
+        pool_options: dict[str, Any] | None = None,
+    ):
+        self.spec = spec
+        self.name = name
+        self.host, self.port = host, port
+        self.drain_timeout_s = drain_timeout_s
+        self.pool_options = pool_options or {}
+        self.pool: PoolController | None = None
+        self.url: str | None = None
+        self.listening = threading.Event()  # set once `url` is known
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop `pool` lives on
+        self._server: _Server | None = None
+        self._stop_requested = False
+
+    async def run(
+        self, *, handle_signals: bool = True, on_ready: Callable[[str], None] | None = None
+    ) -> None:
+        """Serve until stopped; ``on_ready(url)`` runs once all replicas are first ready."""
+        self.loop = asyncio.get_running_loop()
+        tokenizer = load_tokenizer(
+            self.spec.model.tokenizer or self.spec.model.path
+        )  # fail before Ray
+        owns_ray = self._connect_ray()
+        try:
+            self.pool = PoolController(self.spec, name=self.name, **self.pool_options)
+            config = uvicorn.Config(
+                build_app(self.pool, tokenizer),
+                host=self.host,
+                port=self.port,
+                log_level="warning",
+                lifespan="off",
+                timeout_graceful_shutdown=max(1, math.ceil(self.drain_timeout_s)),
+            )
+            self._server = _Server(config)
+            self._server.should_exit = self._stop_requested
+            if handle_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    self.loop.add_signal_handler(sig, self.stop)
+            await self.pool.start()
+            serving = asyncio.create_task(self._server.serve())
+            await self._announce(serving, on_ready)
+            await serving
+        finally:
+            if self.pool is not None:
+                await self.pool.stop(self.drain_timeout_s)
+            if owns_ray:
+                ray.shutdown()
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (a second call forces it); thread-safe."""
+        self._stop_requested = True
+        if self._server is None:
+            return
+        if self._server.should_exit:
+            self._server.force_exit = True
+        self._server.should_exit = True
+
+    async def _announce(
+        self, serving: asyncio.Task, on_ready: Callable[[str], None] | None
+    ) -> None:
+        server = self._server
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if serving.done():
+            return
+        port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        self.listening.set()
+        log.info("gateway %s listening on %s", self.name, self.url)
+        if on_ready is not None:
+
+            async def announce_ready() -> None:
+                while not self.pool.converged():
+                    await asyncio.sleep(0.1)
+                on_ready(self.url)
+
+            waiter = asyncio.create_task(announce_ready())
+            serving.add_done_callback(lambda _: waiter.cancel())
+
+    def _connect_ray(self) -> bool:
+        """Returns whether this gateway started (and so must shut down) Ray."""
+        if ray.is_initialized():
+            return False
+        address = os.environ.get("RAY_ADDRESS") or self.spec.ray.address
+        if address:
+            ray.init(address=address, namespace=RAY_NAMESPACE)
+        else:
+            # logical CPUs for every replica plus a rolling update's surge one
+            needed = math.ceil(self.spec.resources.cpu * (self.spec.replicas + 1))
+            ray.init(
+                namespace=RAY_NAMESPACE,
+                include_dashboard=False,
+                num_cpus=max(os.cpu_count() or 1, needed),
+            )
+        return True

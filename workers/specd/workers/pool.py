@@ -1,0 +1,432 @@
+"""Pool controller: keeps ``spec.replicas`` ready engine actors and streams requests to them.
+
+A background task probes every actor (``status()`` with a timeout) each health
+interval and then runs one level-based reconcile: `plan_reconcile` (pure) compares the
+live replicas with the desired spec and says how many to start and which to retire.
+Starting and retiring run as tasks, so a slow model load never stalls health probes.
+
+    state:  starting --info() answers--> ready --retired--> draining --drained--> (killed)
+                 \\______________ probe fails / actor dies ______________/--> dead
+
+A dead actor is killed and replaced under a new replica name (``r0, r1, ...`` never
+reused), so metrics of a replacement never mix with its predecessor's.  A config-hash
+change rolls one replica at a time with one surge replica: start new -> ready ->
+drain old -> kill old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from specd.workers.actor import create_engine_actor
+from specd.workers.config import DeploymentSpec
+from specd.workers.engine.types import GenerateDelta, GenerateRequest
+from specd.workers.router import ReplicaLoad, pick_replica
+
+log = logging.getLogger(__name__)
+
+MAX_START_BACKOFF_S = 60.0
+
+
+class ReplicaState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class ReplicaError(RuntimeError):
+    """A replica failed while serving a request; ``lost`` when its actor is gone."""
+
+    def __init__(self, replica: str, message: str, *, lost: bool):
+        super().__init__(message)
+        self.replica = replica
+        self.lost = lost
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    name: str  # the engine's `replica` label
+    actor_name: str
+    handle: Any  # ray ActorHandle of an EngineActor
+    config_hash: str
+    state: ReplicaState = ReplicaState.STARTING
+    info: dict[str, Any] = field(default_factory=dict)  # EngineActor.info(), once ready
+    load: dict[str, Any] = field(default_factory=dict)  # latest EngineActor.status()
+    inflight: int = 0  # streams the gateway has open on it
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def router_load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            name=self.name,
+            queued_tokens=int(self.load.get("queued_tokens", 0)),
+            inflight=self.inflight,
+            kv_usage=float(self.load.get("kv_usage", 0.0)),
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.load.get("healthy", True))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "actor_name": self.actor_name,
+            "state": self.state.value,
+            "config_hash": self.config_hash,
+            "inflight": self.inflight,
+            "context_length": self.info.get("context_length"),
+            "load": self.load,
+            "error": self.error,
+        }
+
+
+class _ReplicaView(Protocol):
+    name: str
+    state: ReplicaState
+    config_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    start: int = 0
+    retire: tuple[str, ...] = ()
+
+
+def plan_reconcile(
+    replicas: Sequence[_ReplicaView], desired: int, config_hash: str, *, can_start: bool = True
+) -> Plan:
+    """What to start and retire so that ``desired`` ready replicas run ``config_hash``.
+
+    ``replicas`` is in creation order.  Outdated replicas still starting are retired at
+    once; outdated ready ones go one at a time as current ones become ready, with one
+    surge replica started while any remains (so capacity never dips during a roll).
+    Scale-down retires starting replicas first, then the newest.
+    """
+    live = [r for r in replicas if r.state in (ReplicaState.STARTING, ReplicaState.READY)]
+    current = [r for r in live if r.config_hash == config_hash]
+    outdated = [r for r in live if r.config_hash != config_hash]
+    current_starting = [r for r in current if r.state is ReplicaState.STARTING]
+    current_ready = [r for r in current if r.state is ReplicaState.READY]
+    old_ready = [r for r in outdated if r.state is ReplicaState.READY]
+    retire = [r for r in outdated if r.state is ReplicaState.STARTING]
+
+    if len(current) > desired:
+        extra = current_starting[::-1] + current_ready[::-1]
+        retire += extra[: len(current) - desired] + old_ready
+        return Plan(0, tuple(r.name for r in retire))
+
+    surplus = max(0, len(current_ready) + len(old_ready) - desired)
+    retire += old_ready[:surplus]
+    old_kept = len(old_ready) - surplus
+    start = max(0, desired - len(current) - old_kept)
+    if start == 0 and old_kept and not current_starting:
+        start = 1  # the rolling update's surge replica
+    return Plan(start if can_start else 0, tuple(r.name for r in retire))
+
+
+ActorFactory = Callable[..., Any]
+
+
+def _describe(err: BaseException) -> str:
+    """One line for logs and status: Ray errors carry whole tracebacks."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:500]
+
+
+class PoolController:
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        *,
+        name: str = "specd",
+        health_interval_s: float = 2.0,
+        probe_timeout_s: float = 10.0,
+        start_timeout_s: float = 900.0,
+        drain_timeout_s: float = 60.0,
+        actor_factory: ActorFactory = create_engine_actor,
+    ):
+        self.spec = spec
+        self.name = name
+        self.health_interval_s = health_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self._actor_factory = actor_factory
+        self._replicas: dict[str, Replica] = {}
+        self._seq = itertools.count()
+        self._token = uuid.uuid4().hex[:6]  # keeps actor names unique across gateways
+        self._tasks: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()
+        self._monitor: asyncio.Task | None = None
+        self._start_failures = 0
+        self._next_start_at = 0.0
+        self.events: deque[dict[str, Any]] = deque(maxlen=50)
+
+    # -- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        """Begin reconciling (returns at once; see `wait_converged`)."""
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._monitor_loop(), name="specd-pool-monitor")
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Drain every replica (in parallel), kill them, stop reconciling."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        for task in list(self._tasks):
+            task.cancel()
+        timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        await asyncio.gather(
+            *(
+                self._retire(r, timeout)
+                for r in list(self._replicas.values())
+                if r.state is not ReplicaState.DEAD
+            )
+        )
+        self._replicas.clear()
+
+    def update_spec(self, spec: DeploymentSpec) -> None:
+        """Adopt ``spec``: a new config hash rolls replicas, a new count scales."""
+        if spec.config_hash() != self.spec.config_hash():
+            self._event("-", "rolling update", f"{self.spec.config_hash()} -> {spec.config_hash()}")
+        self.spec = spec
+        self._kick()
+
+    async def wait_converged(self, timeout_s: float) -> bool:
+        """Wait until exactly the desired replicas are ready and none is in transit."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.converged():
+                return True
+            await asyncio.sleep(0.05)
+        return self.converged()
+
+    def converged(self) -> bool:
+        want = self.spec.config_hash()
+        states = [(r.state, r.config_hash) for r in self._replicas.values()]
+        return len(states) == self.spec.replicas and all(
+            s is ReplicaState.READY and h == want for s, h in states
+        )
+
+    # -- routing and streaming ----------------------------------------------
+    def ready(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.state is ReplicaState.READY]
+
+    def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
+        """The least-loaded ready replica not in ``exclude`` (see `router`)."""
+        candidates = {r.name: r for r in self.ready() if r.name not in exclude}
+        name = pick_replica(r.router_load() for r in candidates.values())
+        return None if name is None else candidates[name]
+
+    async def stream(
+        self, replica: Replica, req: GenerateRequest
+    ) -> AsyncGenerator[GenerateDelta, None]:
+        """``req``'s deltas from ``replica``; leaving early cancels it in the engine.
+
+        Raises `ReplicaError` (never hangs) if the actor dies or fails mid-stream.
+        """
+        gen = replica.handle.generate.options(num_returns="streaming").remote(req)
+        replica.inflight += 1
+        finished = False
+        try:
+            async for ref in gen:
+                delta: GenerateDelta = await ref
+                finished = delta.finished
+                yield delta
+        except RayActorError as err:
+            self.mark_dead(replica, f"died while serving: {_describe(err)}")
+            raise ReplicaError(
+                replica.name, f"replica {replica.name} died while serving the request", lost=True
+            ) from err
+        except RayError as err:
+            raise ReplicaError(
+                replica.name, f"replica {replica.name} failed: {_describe(err)}", lost=False
+            ) from err
+        finally:
+            replica.inflight -= 1
+            if not finished and replica.state is not ReplicaState.DEAD:
+                ray.cancel(gen)  # cancels the actor task -> the engine aborts the request
+
+    def mark_dead(self, replica: Replica, reason: str) -> None:
+        """Stop routing to ``replica``, kill its actor, and let reconcile replace it."""
+        if replica.state is ReplicaState.DEAD:
+            return
+        replica.state = ReplicaState.DEAD
+        replica.error = reason
+        self._event(replica.name, "dead", reason)
+        self._kill(replica)
+        self._kick()
+
+    # -- observation ----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The `/admin/status` document (the operator builds the CR status from it)."""
+        replicas = list(self._replicas.values())
+        ready = [r for r in replicas if r.state is ReplicaState.READY]
+        return {
+            "deployment": self.name,
+            "model": self.spec.served_model_name,
+            "config_hash": self.spec.config_hash(),
+            "desired_replicas": self.spec.replicas,
+            "ready_replicas": len(ready),
+            "converged": self.converged(),
+            "kv_usage": max((float(r.load.get("kv_usage", 0.0)) for r in ready), default=0.0),
+            "actors": [r.summary() for r in replicas],
+            "events": list(self.events),
+        }
+
+    async def metrics_texts(self, timeout_s: float = 5.0) -> list[str]:
+        """Every live actor's Prometheus exposition (actors that do not answer are skipped)."""
+        live = [
+            r
+            for r in self._replicas.values()
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING)
+        ]
+
+        async def one(r: Replica) -> str | None:
+            try:
+                return (await asyncio.wait_for(r.handle.metrics_text.remote(), timeout_s)).decode()
+            except (asyncio.TimeoutError, RayError):
+                return None
+
+        return [t for t in await asyncio.gather(*(one(r) for r in live)) if t is not None]
+
+    # -- reconcile loop -------------------------------------------------------
+    async def _monitor_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self._probe_all()
+                self._reconcile()
+            except Exception:  # the loop must outlive any single failure
+                log.exception("pool %s: reconcile failed", self.name)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.health_interval_s)
+
+    async def _probe_all(self) -> None:
+        live = [
+            r
+            for r in self._replicas.values()
+            if r.state in (ReplicaState.READY, ReplicaState.DRAINING)
+        ]
+        await asyncio.gather(*(self._probe(r) for r in live))
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            replica.load = await asyncio.wait_for(
+                replica.handle.status.remote(), self.probe_timeout_s
+            )
+        except asyncio.TimeoutError:
+            self.mark_dead(replica, f"no answer to a health probe within {self.probe_timeout_s:g}s")
+        except RayError as err:
+            self.mark_dead(replica, _describe(err))
+        else:
+            if not replica.healthy:
+                self.mark_dead(replica, f"engine unhealthy: {replica.load.get('last_error')}")
+
+    def _reconcile(self) -> None:
+        """One synchronous pass: forget the dead, then launch starts and retirements."""
+        for name in [n for n, r in self._replicas.items() if r.state is ReplicaState.DEAD]:
+            del self._replicas[name]
+        plan = plan_reconcile(
+            list(self._replicas.values()),
+            self.spec.replicas,
+            self.spec.config_hash(),
+            can_start=time.monotonic() >= self._next_start_at,
+        )
+        for _ in range(plan.start):
+            self._spawn(self._wait_started(self._launch()))
+        for name in plan.retire:
+            self._spawn(self._retire(self._replicas[name], self.drain_timeout_s))
+
+    def _launch(self) -> Replica:
+        """Create an actor for the current spec (synchronously, so the next plan counts it)."""
+        name = f"r{next(self._seq)}"
+        actor_name = f"specd-{self.name}-{self._token}-{name}"
+        handle = self._actor_factory(self.spec, replica=name, actor_name=actor_name)
+        replica = Replica(name, actor_name, handle, self.spec.config_hash())
+        self._replicas[name] = replica
+        self._event(name, "starting", f"actor {actor_name}, config {replica.config_hash}")
+        return replica
+
+    async def _wait_started(self, replica: Replica) -> None:
+        try:
+            replica.info = await asyncio.wait_for(
+                replica.handle.info.remote(), self.start_timeout_s
+            )
+            replica.load = await asyncio.wait_for(
+                replica.handle.status.remote(), self.probe_timeout_s
+            )
+        except (asyncio.TimeoutError, RayError) as err:
+            if replica.state is not ReplicaState.STARTING:
+                return  # retired while starting: not a start failure
+            self._start_failures += 1
+            backoff = min(MAX_START_BACKOFF_S, 2.0**self._start_failures)
+            self._next_start_at = time.monotonic() + backoff
+            reason = "timed out" if isinstance(err, asyncio.TimeoutError) else _describe(err)
+            self.mark_dead(replica, f"failed to start ({reason}); next try in {backoff:g}s")
+            return
+        if replica.state is ReplicaState.STARTING:
+            replica.state = ReplicaState.READY
+            self._start_failures = 0
+            self._event(
+                replica.name, "ready", f"context length {replica.info.get('context_length')}"
+            )
+        self._kick()
+
+    async def _retire(self, replica: Replica, timeout_s: float) -> None:
+        """Drain (a ready replica) then kill; in-flight requests get ``timeout_s`` to finish."""
+        was_ready = replica.state is ReplicaState.READY
+        replica.state = ReplicaState.DRAINING
+        self._event(replica.name, "draining", "")
+        if was_ready:
+            try:
+                left = await asyncio.wait_for(
+                    replica.handle.drain.remote(timeout_s), timeout_s + self.probe_timeout_s
+                )
+            except (asyncio.TimeoutError, RayError) as err:
+                left = f"unknown ({_describe(err)})"
+            if left:
+                self._event(
+                    replica.name, "drain timeout", f"{left} requests still running are cut off"
+                )
+        self._kill(replica)
+        replica.state = ReplicaState.DEAD
+        self._event(replica.name, "retired", "")
+        self._kick()
+
+    # -- helpers ----------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    @staticmethod
+    def _kill(replica: Replica) -> None:
+        with contextlib.suppress(Exception):  # already gone is fine
+            ray.kill(replica.handle, no_restart=True)
+
+    def _event(self, replica: str, event: str, detail: str) -> None:
+        log.info("pool %s: %s %s %s", self.name, replica, event, detail)
+        self.events.append(
+            {"time": time.time(), "replica": replica, "event": event, "detail": detail}
+        )

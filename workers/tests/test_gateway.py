@@ -1,0 +1,498 @@
+"""The gateway over real HTTP and a real local Ray: 2 engine actors of a tiny checkpoint.
+
+One Ray cluster and one gateway (uvicorn in a thread, free loopback port) are shared by
+the module.  The `specd serve` smoke test comes first and runs before that cluster
+exists, because it starts its own local Ray the way a user would (one cluster at a time
+on a small machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+import specd
+from specd.workers.config import spec_for_model
+from specd.workers.gateway import Gateway
+from specd.workers.pool import PoolController
+from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+
+MODEL = "tiny"
+CONTEXT = 2048  # long enough for streams that outlive an actor kill
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(
+        make_tiny_checkpoint(tmp_path_factory.mktemp("gw-tiny"), max_position_embeddings=CONTEXT)
+    )
+
+
+def _source_roots() -> str:
+    roots = [str(Path(p).parent) for p in specd.__path__]
+    return os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+
+
+def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# -- `specd serve` as a user runs it (its own local Ray; before the module cluster) --------
+
+
+def test_serve_cli_smoke(model_dir, tmp_path):
+    spec_file = tmp_path / "tiny.yaml"
+    spec_file.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: smoke}\n"
+        f"spec:\n  model: {{path: {model_dir}, name: {MODEL}}}\n  replicas: 1\n  resources: {{cpu: 0.5}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = _source_roots()
+    cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file), "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        ready = _wait_for(
+            lambda: next((ln for ln in lines if ln.startswith("specd: smoke ready")), None),
+            90,
+            "specd serve ready",
+        )
+        url = ready.split(" on ")[-1].strip()
+        _wait_for(
+            lambda: any(f"curl {url}/v1/completions" in ln for ln in lines), 5, "the example curl"
+        )
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hello", **GREEDY}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    assert "Traceback" not in "".join(lines), "".join(lines)
+
+
+# -- the module's cluster and gateway ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-test", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gateway(ray_cluster, model_dir):
+    spec = spec_for_model(model_dir, replicas=2, model={"name": MODEL}, resources={"cpu": 0.5})
+    gw = Gateway(
+        spec,
+        name="gwtest",
+        port=0,
+        drain_timeout_s=5,
+        pool_options={"health_interval_s": 0.3, "probe_timeout_s": 5},
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(gw.run(handle_signals=False)), daemon=True)
+    thread.start()
+    assert gw.listening.wait(60), "gateway did not start listening"
+    _wait_for(gw.pool.converged, 90, "2 ready replicas")
+    yield gw
+    gw.stop()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+@pytest.fixture()
+def http(gateway):
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        yield client
+
+
+def in_loop(gw: Gateway, fn, *args):
+    """Run ``fn(*args)`` on the gateway's event loop (the pool is not thread-safe)."""
+
+    async def call():
+        return fn(*args)
+
+    return asyncio.run_coroutine_threadsafe(call(), gw.loop).result(timeout=10)
+
+
+def sse_events(lines) -> list:
+    """Parsed ``data:`` payloads up to and including ``[DONE]`` (as the string)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream(http: httpx.Client, path: str, body: dict) -> list:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r.iter_lines())
+
+
+def chunk_text(event: dict) -> str:
+    choice = event["choices"][0]
+    return choice["text"] if "text" in choice else choice["delta"].get("content", "")
+
+
+ENDPOINTS = {
+    "completions": ("/v1/completions", {"prompt": "Hello, how are"}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]}),
+}
+
+
+@pytest.mark.parametrize("path,body", ENDPOINTS.values(), ids=ENDPOINTS.keys())
+def test_stream_matches_non_stream(http, path, body):
+    body = {"model": MODEL, **body, **GREEDY}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    full = r.json()
+    choice = full["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + GREEDY["max_tokens"]
+    assert full["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert {"spec_verify_steps", "spec_accepted_tokens"} <= set(full["usage"])
+
+    events = stream(http, path, {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert "".join(chunk_text(e) for e in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    assert len({e["id"] for e in events[:-1]}) == 1
+    if "messages" in body:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_openai_client(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+    done = client.completions.create(model=MODEL, prompt="Hello", **GREEDY)
+    assert (
+        done.choices[0].finish_reason == "length"
+        and done.usage.completion_tokens == GREEDY["max_tokens"]
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="Hello", stream=True, **GREEDY)
+    )
+    assert streamed == done.choices[0].text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert chat.choices[0].message.role == "assistant"
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    ):
+        pieces += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert usage.completion_tokens == GREEDY["max_tokens"]
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, n=2)
+    assert err.value.body["param"] == "n"
+
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+A = {"model": MODEL, "prompt": "x"}
+M = {"model": MODEL}
+LONG = [5] * CONTEXT
+
+BAD_INPUTS = {
+    "malformed json": (CMPL, "{not json", 400, None),
+    "not an object": (CMPL, [1, 2], 400, None),
+    "missing prompt": (CMPL, M, 400, "prompt"),
+    "missing model": (CMPL, {"prompt": "x"}, 400, "model"),
+    "prompt wrong type": (CMPL, {**A, "prompt": 7}, 400, "prompt"),
+    "two prompts": (CMPL, {**A, "prompt": ["a", "b"]}, 400, "prompt"),
+    "max_tokens 0": (CMPL, {**A, "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens string": (CMPL, {**A, "max_tokens": "many"}, 400, "max_tokens"),
+    "n=2": (CMPL, {**A, "n": 2}, 400, "n"),
+    "temperature -1": (CMPL, {**A, "temperature": -1}, 400, "temperature"),
+    "top_p 0": (CMPL, {**A, "top_p": 0}, 400, "top_p"),
+    "five stops": (CMPL, {**A, "stop": list("abcde")}, 400, "stop"),
+    "logprobs": (CMPL, {**A, "logprobs": 2}, 400, "logprobs"),
+    "wrong model": (CMPL, {**A, "model": "gpt-4"}, 404, "model"),
+    "prompt too long": (CMPL, {**A, "prompt": LONG}, 400, "prompt"),
+    "prompt too long, stream": (CMPL, {**A, "prompt": LONG, "stream": True}, 400, "prompt"),
+    "token id out of vocab": (CMPL, {**A, "prompt": [10**6]}, 400, "prompt"),
+    "empty messages": (CHAT, {**M, "messages": []}, 400, "messages"),
+    "no role": (CHAT, {**M, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    "image content": (
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    "unknown path": ("/v1/embeddings", {**M, "input": "x"}, 404, None),
+}
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_an_openai_error(http, path, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert error["message"] and error["type"] and error["code"] == status
+    if param:
+        assert param in error["message"]
+
+
+def test_unknown_fields_are_ignored(http):
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "vendor_field": {"a": 1}},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_models_and_health(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == CONTEXT
+    health = http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["ready_replicas"] == 2
+
+
+def test_admin_status_lists_ready_actors(http):
+    status = http.get("/admin/status").json()
+    assert status["desired_replicas"] == status["ready_replicas"] == 2 and status["converged"]
+    actors = status["actors"]
+    assert [a["state"] for a in actors] == ["ready", "ready"]
+    assert len({a["name"] for a in actors}) == 2
+    for actor in actors:
+        assert actor["config_hash"] == status["config_hash"]
+        assert actor["load"]["healthy"] is True and actor["load"]["replica"] == actor["name"]
+        assert {"running", "queued", "queued_tokens", "kv_usage"} <= set(actor["load"])
+
+
+def metric_families(http) -> dict:
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    lines = r.text.splitlines()
+    for kind in ("HELP", "TYPE"):  # merged by name: each family described once
+        names = [ln.split()[2] for ln in lines if ln.startswith(f"# {kind} ")]
+        assert len(names) == len(set(names)), f"duplicate # {kind}"
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def test_metrics_merge_every_replica(http, gateway):
+    http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    families = metric_families(http)
+    replicas = {r.name for r in gateway.pool.ready()}
+    for name in (
+        "specd_requests_running",
+        "specd_kv_tokens_total",
+        "specd_time_to_first_token_seconds",
+    ):
+        assert {s.labels["replica"] for s in families[name].samples} == replicas, name
+    codes = {
+        s.labels["code"]
+        for s in families["specd_gateway_requests"].samples
+        if s.name.endswith("_total")
+    }
+    assert "200" in codes
+    states = {s.labels["state"]: s.value for s in families["specd_gateway_replicas"].samples}
+    assert states["ready"] == 2
+
+
+def aborts(http) -> float:
+    return sum(s.value for s in metric_families(http)["specd_aborts"].samples)
+
+
+def test_client_disconnect_aborts_in_engine(http, gateway):
+    before = aborts(http)
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": CONTEXT - 16,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    # the stream is closed after one event; the engine must abort, not finish ~2000 tokens
+    _wait_for(lambda: aborts(http) >= before + 1, 20, "a streaming abort")
+
+    body = {**body, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=1.0)
+    _wait_for(lambda: aborts(http) >= before + 2, 20, "a non-streaming abort")
+    _wait_for(
+        lambda: all(r.inflight == 0 for r in gateway.pool.ready()), 10, "no request in flight"
+    )
+
+
+async def test_pool_backs_off_a_replica_that_cannot_start(ray_cluster, tmp_path):
+    """A model folder that breaks in the actor: reported, retried with backoff, no crash."""
+    (tmp_path / "config.json").write_text("{}")
+    spec = spec_for_model(str(tmp_path), replicas=1, resources={"cpu": 0.5})
+    pool = PoolController(spec, name="broken", health_interval_s=0.2)
+    await pool.start()
+    try:
+        for _ in range(300):
+            if any(e["event"] == "dead" for e in pool.events):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        failures = [e for e in pool.events if e["event"] == "dead"]
+        assert failures and "failed to start" in failures[0]["detail"], list(pool.events)
+        assert len(failures) <= 2  # 2s backoff after the first failure
+        assert pool.status()["ready_replicas"] == 0 and pool.pick() is None
+    finally:
+        await pool.stop(drain_timeout_s=1)
+
+
+# -- failures and updates (slow) ----------------------------------------------------------
+
+
+def _long_stream(url: str, out: dict, key: str) -> None:
+    """Stream a long greedy completion; record the parsed events (or the exception)."""
+    body = {
+        "model": MODEL,
+        "prompt": f"Stream {key}",
+        "max_tokens": CONTEXT - 16,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        with (
+            httpx.Client(base_url=url, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            events = []
+            for line in r.iter_lines():
+                events += sse_events([line])
+                out.setdefault(f"{key}:started", True)
+            out[key] = events
+    except Exception as err:  # recorded for the assertion message
+        out[key] = err
+
+
+@pytest.mark.slow
+def test_killed_actor_fails_its_requests_and_is_replaced(http, gateway):
+    pool = gateway.pool
+    out: dict = {}
+    keys = ["a", "b", "c", "d"]
+    threads = [
+        threading.Thread(target=_long_stream, args=(gateway.url, out, k), daemon=True) for k in keys
+    ]
+    for key, thread in zip(keys, threads, strict=True):
+        thread.start()
+        _wait_for(lambda k=key: out.get(f"{k}:started"), 30, f"stream {key} to start")
+    busy = {r.name: r.inflight for r in pool.ready()}
+    assert sorted(busy.values()) == [2, 2], busy  # the router spread them
+    victim = pool.ready()[0]
+    ray.kill(ray.get_actor(victim.actor_name, namespace="specd-test"))
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a stream hung after the kill"
+
+    results = [out[k] for k in keys]
+    assert not [r for r in results if isinstance(r, Exception)], results
+    failed = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r)]
+    finished = [r for r in results if r not in failed]
+    assert len(failed) == 2 and len(finished) == 2, results
+    for events in failed:
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
+    for events in finished:
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+    _wait_for(pool.converged, 60, "a replacement replica")
+    names = {r.name for r in pool.ready()}
+    assert victim.name not in names and len(names) == 2
+    assert (
+        http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}
+        ).status_code
+        == 200
+    )
+
+
+@pytest.mark.slow
+def test_rolling_update_and_scaling_drop_no_request(http, gateway):
+    pool = gateway.pool
+    old = pool.spec
+    new = old.model_copy(update={"max_running_requests": old.max_running_requests + 1})
+    assert new.config_hash() != old.config_hash()
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def traffic() -> None:
+        with httpx.Client(base_url=gateway.url, timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "roll", "max_tokens": 32}
+                )
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=traffic) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)
+        in_loop(gateway, pool.update_spec, new)
+        _wait_for(lambda: pool.converged() and pool.spec is new, 120, "the rolling update")
+        assert {a["config_hash"] for a in http.get("/admin/status").json()["actors"]} == {
+            new.config_hash()
+        }
+
+        in_loop(gateway, pool.update_spec, new.model_copy(update={"replicas": 1}))
+        _wait_for(pool.converged, 60, "scale down to 1")
+        assert len(pool.ready()) == 1
+        in_loop(gateway, pool.update_spec, new)
+        _wait_for(pool.converged, 60, "scale back up to 2")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert statuses and set(statuses) == {200}, statuses

@@ -1,0 +1,90 @@
+"""The pool controller's reconcile plan (`pool.plan_reconcile`) as tables, and a
+simulated rolling update.  Pure: no Ray cluster, no HTTP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from specd.workers.pool import Plan, ReplicaState, plan_reconcile
+
+
+@dataclass
+class R:
+    name: str
+    state: ReplicaState
+    config_hash: str = "new"
+
+
+S, RD, D = ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING
+
+PLANS = {
+    "fresh start": ([], 2, Plan(start=2)),
+    "steady": ([R("r0", RD), R("r1", RD)], 2, Plan()),
+    "starting counts": ([R("r0", RD), R("r1", S)], 2, Plan()),
+    "replace the dead": ([R("r0", RD), R("r1", ReplicaState.DEAD)], 2, Plan(start=1)),
+    "draining does not count": ([R("r0", RD), R("r1", D)], 2, Plan(start=1)),
+    "scale up": ([R("r0", RD)], 3, Plan(start=2)),
+    "scale down newest first": (
+        [R("r0", RD), R("r1", RD), R("r2", RD)],
+        1,
+        Plan(retire=("r2", "r1")),
+    ),
+    "scale down starting first": ([R("r0", RD), R("r1", S), R("r2", RD)], 2, Plan(retire=("r1",))),
+    "scale to zero": ([R("r0", RD), R("r1", S)], 0, Plan(retire=("r1", "r0"))),
+    "roll: surge one": ([R("r0", RD, "old"), R("r1", RD, "old")], 2, Plan(start=1)),
+    "roll: wait for the surge": ([R("r0", RD, "old"), R("r1", RD, "old"), R("r2", S)], 2, Plan()),
+    "roll: new ready -> retire oldest, surge next": (
+        [R("r0", RD, "old"), R("r1", RD, "old"), R("r2", RD)],
+        2,
+        Plan(start=1, retire=("r0",)),
+    ),
+    "roll: last old goes": (
+        [R("r1", RD, "old"), R("r2", RD), R("r3", RD)],
+        2,
+        Plan(retire=("r1",)),
+    ),
+    "roll: outdated starting is stopped": (
+        [R("r0", RD), R("r1", S, "old")],
+        2,
+        Plan(start=1, retire=("r1",)),
+    ),
+    "roll + scale down": (
+        [R("r0", RD, "old"), R("r1", RD, "old")],
+        1,
+        Plan(start=1, retire=("r0",)),
+    ),
+    "roll + scale up": ([R("r0", RD, "old"), R("r1", RD, "old")], 3, Plan(start=1)),
+    "roll + too many current": (
+        [R("r0", RD, "old"), R("r1", RD), R("r2", RD)],
+        1,
+        Plan(retire=("r2", "r0")),
+    ),
+}
+
+
+@pytest.mark.parametrize("replicas,desired,expected", PLANS.values(), ids=PLANS.keys())
+def test_plan_reconcile(replicas, desired, expected):
+    assert plan_reconcile(replicas, desired, "new") == expected
+
+
+def test_plan_backoff_holds_starts_but_not_retirements():
+    plan = plan_reconcile(
+        [R("r0", RD, "old"), R("r1", RD, "old"), R("r2", RD)], 2, "new", can_start=False
+    )
+    assert plan == Plan(start=0, retire=("r0",))
+
+
+def test_rolling_update_converges_without_losing_capacity():
+    """Play the plan forward (starts become ready at once) from 3 old replicas."""
+    replicas = [R(f"r{i}", RD, "old") for i in range(3)]
+    for step in range(20):
+        plan = plan_reconcile(replicas, 3, "new")
+        if plan == Plan():
+            break
+        replicas = [r for r in replicas if r.name not in plan.retire]
+        replicas += [R(f"n{step}{i}", RD) for i in range(plan.start)]
+        assert len(replicas) >= 3  # never below the desired count
+        assert len(replicas) <= 4  # at most one surge replica
+    assert [r.config_hash for r in replicas] == ["new"] * 3
