@@ -90,6 +90,14 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        text = client.completions.create(model=MODEL, prompt="Hello", **GREEDY).choices[0].text
+        assert text == r.json()["choices"][0]["text"]
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, **GREEDY
+        )
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, "".join(lines)
     finally:

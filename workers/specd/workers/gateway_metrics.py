@@ -1,0 +1,111 @@
+"""The gateway's own metrics and the merge of every engine's exposition into one
+``/metrics`` page (families merged by name so HELP/TYPE appear once)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.workers.pool import PoolController, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+class GatewayMetrics:
+    """The gateway's own series, next to the merged engine series on ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "specd_gateway_requests",
+            "HTTP requests answered, by route and status code",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "specd_gateway_requests_in_flight",
+            "HTTP requests being answered",
+            registry=self.registry,
+        )
+        self.replicas = Gauge(
+            "specd_gateway_replicas", "Engine actors by state", ["state"], registry=self.registry
+        )
+
+    def observe_pool(self, pool: PoolController) -> None:
+        states = [a["state"] for a in pool.status()["actors"]]
+        for state in ReplicaState:
+            self.replicas.labels(state.value).set(states.count(state.value))
+
+
+def merge_expositions(texts: Iterable[str], *registries: CollectorRegistry) -> bytes:
+    """One exposition from several: families merged by name, so HELP/TYPE appear once.
+
+    Engine samples already carry distinct ``replica`` labels, so samples never collide.
+    A family whose type differs from the first one seen (a mixed-version rollout) is
+    dropped rather than emitted invalid.
+    """
+    families: dict[str, Metric] = {}
+
+    def add(family: Metric) -> None:
+        have = families.setdefault(family.name, family)
+        if have is family:
+            return
+        if have.type == family.type:
+            have.samples.extend(family.samples)
+        else:
+            log.warning(
+                "metric %s: type %s conflicts with %s; dropped", family.name, family.type, have.type
+            )
+
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            add(family)
+    for registry in registries:
+        for family in registry.collect():
+            add(family)
+
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(_Families(list(families.values())))
+    return generate_latest(merged)
+
+
+class _Families:
+    """A collector that returns fixed families (what `generate_latest` renders)."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+class CountRequests:
+    """ASGI middleware: counts every response by route template and status code."""
+
+    def __init__(self, app: Any, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_note(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.in_flight.dec()
+            endpoint = getattr(scope.get("route"), "path", "other")  # never raw paths: cardinality
+            self.metrics.requests.labels(endpoint, str(status)).inc()
