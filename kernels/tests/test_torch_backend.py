@@ -45,7 +45,8 @@ def test_causal_matches_dense(qo_lens, kv_lens):
     q, k_buf, v_buf, r2t = make_case(qo_lens, kv_lens)
     meta = build_attention_metadata(r2t, torch.arange(len(kv_lens)), qo_lens, kv_lens)
     scale = 1 / math.sqrt(q.shape[-1])
-    out = get_backend("torch").forward(q, k_buf, v_buf, meta, scale)
+    backend = get_backend("torch")
+    out = backend.forward(q, k_buf, v_buf, backend.plan(meta), scale)
     start = 0
     for i, (ql, kl) in enumerate(zip(qo_lens, kv_lens, strict=True)):
         slots = r2t[i, :kl]
@@ -63,7 +64,8 @@ def test_custom_mask_is_used_as_given():
         m[:, 0] = True
     flat = torch.cat([m.flatten() for m in masks])
     meta = build_attention_metadata(r2t, torch.arange(2), qo_lens, kv_lens, custom_mask=flat)
-    out = get_backend("torch").forward(q, k_buf, v_buf, meta, 0.3)
+    backend = get_backend("torch")
+    out = backend.forward(q, k_buf, v_buf, backend.plan(meta), 0.3)
     ref0 = dense_attention(q[:3], k_buf[r2t[0, :6]], v_buf[r2t[0, :6]], masks[0], 0.3)
     ref1 = dense_attention(q[3:], k_buf[r2t[1, :4]], v_buf[r2t[1, :4]], masks[1], 0.3)
     torch.testing.assert_close(out, torch.cat([ref0, ref1]), atol=1e-5, rtol=1e-5)

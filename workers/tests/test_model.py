@@ -83,7 +83,7 @@ class PagedRunner:
             qo_lens=[len(c) for c in chunks],
             kv_lens=[self.seq_lens[r] for r in rows],
         )
-        ctx = ForwardContext(meta, torch.cat(locs), self.pool, self.backend)
+        ctx = ForwardContext(self.backend.plan(meta), torch.cat(locs), self.pool, self.backend)
         return torch.tensor([t for c in chunks for t in c]), torch.cat(positions), ctx
 
     def extend(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:

@@ -31,11 +31,6 @@ class AttentionMetadata:
     def batch_size(self) -> int:
         return len(self.qo_lens)
 
-    @property
-    def is_decode(self) -> bool:
-        """One query per request and no custom mask (the paged decode kernels' case)."""
-        return self.custom_mask is None and all(q == 1 for q in self.qo_lens)
-
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     out = torch.zeros(len(lens) + 1, dtype=torch.int64)

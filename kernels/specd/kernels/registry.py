@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,14 +25,20 @@ class BackendCapabilities:
 
 
 class AttentionBackend(Protocol):
+    """flashinfer-style split: ``plan`` once per batch, ``forward`` once per layer."""
+
     capabilities: BackendCapabilities
+
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """Precompute whatever every layer of this batch reuses (indices, masks)."""
+        ...
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k_buffer: torch.Tensor,  # [pool_slots, num_kv_heads, head_dim]
         v_buffer: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: Any,  # what ``plan`` returned for this batch
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

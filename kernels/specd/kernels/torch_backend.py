@@ -1,11 +1,13 @@
 """Pure-torch reference attention over paged KV (runs on CPU and CUDA).
 
-Gathers each request's K/V through ``kv_indices`` into a padded batch and runs
+Decode rows share one padded batch; other requests run one by one. Both use
 ``scaled_dot_product_attention`` with an explicit boolean mask (causal, or the
 caller's custom tree mask).  Slow but simple: the ground truth for other backends.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,16 @@ def _attend(q, k, v, mask, scale):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TorchAttentionPlan:
+    """Index tensors computed once per batch and reused by every layer."""
+
+    decode_q_rows: torch.Tensor | None  # [b] flat query index of each decode request
+    decode_slots: torch.Tensor | None  # [b, max_kv] pool slots, 0 where padded
+    decode_mask: torch.Tensor | None  # [b, 1, 1, max_kv] True on real KV positions
+    extends: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # (q0, q1, slots, mask)
+
+
 @register_backend(
     BackendCapabilities(
         name="torch",
@@ -49,42 +61,39 @@ class TorchAttentionBackend:
     (prefill chunks, tree verify) runs alone with its exact mask, so nothing is padded
     to the longest prompt."""
 
-    def forward(self, q, k_buffer, v_buffer, meta: AttentionMetadata, scale: float):
+    def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        device = meta.kv_indices.device
+        qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+        is_decode = [q == 1 and meta.custom_mask is None for q in meta.qo_lens]
+        rows = [i for i, d in enumerate(is_decode) if d]
+        q_rows = slots = mask = None
+        if rows:
+            lens = torch.tensor([meta.kv_lens[i] for i in rows], device=device)
+            starts = torch.tensor([kv[i] for i in rows], device=device)
+            offsets = torch.arange(int(lens.max()), device=device)
+            valid = offsets[None, :] < lens[:, None]  # [b, max_kv]
+            flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
+            slots = torch.where(valid, meta.kv_indices[flat], 0)
+            mask = valid[:, None, None, :]
+            q_rows = torch.tensor([qo[i] for i in rows], device=device)
+        extends = tuple(
+            (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
+            for i, d in enumerate(is_decode)
+            if not d
+        )
+        return TorchAttentionPlan(q_rows, slots, mask, extends)
+
+    def forward(self, q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
+        """q [N, H, D] -> [N, H, D], reading K/V from the pool through ``plan``."""
         out = torch.empty_like(q)
-        qo = meta.qo_indptr.tolist()
-        kv = meta.kv_indptr.tolist()
-        decode_rows = [
-            i for i in range(meta.batch_size) if meta.qo_lens[i] == 1 and meta.custom_mask is None
-        ]
-        if decode_rows:
-            self._decode(q, k_buffer, v_buffer, meta, scale, decode_rows, qo, kv, out)
-        decode_set = set(decode_rows)
-        for i in range(meta.batch_size):
-            if i in decode_set:
-                continue
-            slots = meta.kv_indices[kv[i] : kv[i + 1]]
+        if plan.decode_q_rows is not None:
+            k = k_buffer[plan.decode_slots].transpose(1, 2)  # [b, Hkv, max_kv, D]
+            v = v_buffer[plan.decode_slots].transpose(1, 2)
+            qd = q[plan.decode_q_rows][:, :, None, :]  # [b, H, 1, D]
+            out[plan.decode_q_rows] = _attend(qd, k, v, plan.decode_mask, scale)[:, :, 0, :]
+        for q0, q1, slots, mask in plan.extends:
             k = k_buffer[slots].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
             v = v_buffer[slots].transpose(0, 1)[None]
-            qi = q[qo[i] : qo[i + 1]].transpose(0, 1)[None]  # [1, H, q_len, D]
-            mask = _request_mask(meta, i, q.device)
-            out[qo[i] : qo[i + 1]] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1)
+            qi = q[q0:q1].transpose(0, 1)[None]  # [1, H, q_len, D]
+            out[q0:q1] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1)
         return out
-
-    @staticmethod
-    def _decode(q, k_buffer, v_buffer, meta, scale, rows, qo, kv, out):
-        device = q.device
-        lens = [meta.kv_lens[i] for i in rows]
-        max_kv = max(lens)
-        slots = torch.zeros(len(rows), max_kv, dtype=torch.int64, device=device)
-        for j, i in enumerate(rows):
-            slots[j, : lens[j]] = meta.kv_indices[kv[i] : kv[i + 1]]
-        k = k_buffer[slots].transpose(1, 2)  # [b, Hkv, max_kv, D]
-        v = v_buffer[slots].transpose(1, 2)
-        q_rows = torch.tensor([qo[i] for i in rows], device=device)
-        qd = q[q_rows][:, :, None, :]  # [b, H, 1, D]
-        valid = (
-            torch.arange(max_kv, device=device)[None, :]
-            < torch.tensor(lens, device=device)[:, None]
-        )
-        o = _attend(qd, k, v, valid[:, None, None, :], scale)  # [b, H, 1, D]
-        out[q_rows] = o[:, :, 0, :]

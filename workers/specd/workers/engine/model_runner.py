@@ -51,7 +51,7 @@ class ModelRunner:
         meta = build_attention_metadata(
             self.req_pool.req_to_token, rows, list(batch.extend_lens), kv_lens
         )
-        ctx = ForwardContext(meta, out_cache_loc, self.kv_pool, self.backend)
+        ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
         last = ends[torch.tensor(batch.sample, dtype=torch.bool)].to(self.device)

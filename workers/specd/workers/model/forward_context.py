@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from specd.kernels import AttentionBackend, AttentionMetadata
+from specd.kernels import AttentionBackend
 from specd.workers.mem_cache.kv_pool import KVPool
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
-    attn_meta: AttentionMetadata
+    attn_plan: Any  # ``backend.plan(AttentionMetadata)`` for this batch
     out_cache_loc: torch.Tensor  # [num_tokens] pool slot where each input token's K/V goes
     kv_pool: KVPool
     backend: AttentionBackend

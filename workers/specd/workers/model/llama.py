@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         ctx.kv_pool.store(self.layer_id, ctx.out_cache_loc, k, v)
         k_buffer, v_buffer = ctx.kv_pool.layer(self.layer_id)
-        out = ctx.backend.forward(q, k_buffer, v_buffer, ctx.attn_meta, scale=self.scale)
+        out = ctx.backend.forward(q, k_buffer, v_buffer, ctx.attn_plan, scale=self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
