@@ -55,13 +55,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     from specd.workers.engine.engine import Engine
     from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
     from specd.workers.model.tokenizer import apply_chat_template
 
     kv = {"kvCache": {"maxTokens": args.kv_tokens}} if args.kv_tokens else {}
     spec = spec_for_model(str(Path(args.model).resolve()), **kv)
-    engine = Engine(spec, device=args.device)
+    engine = Engine(spec, device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     engine.start()
     try:
         tok = engine.tokenizer

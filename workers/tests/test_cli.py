@@ -1,0 +1,41 @@
+"""`specd generate` and `specd validate` as a user runs them (in-process `main`)."""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specd.workers.cli import EXIT_INVALID, main
+
+
+def test_generate_prints_transformers_greedy_text(tiny_models, capsys):
+    path = tiny_models("gqa")
+    assert main(["generate", "--model", path, "--max-tokens", "8", "--device", "cpu", "Hello"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tok("Hello")["input_ids"]])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    assert printed == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_validate_accepts_a_good_file_and_names_the_bad_field(tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: g}\n"
+        "spec: {model: {path: m}, replicas: 2}\n"
+    )
+    assert main(["validate", str(good)]) == 0
+    assert "g serves m (2 replicas" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(good.read_text().replace("replicas: 2", "replicas: 2, maxRunningRequest: 3"))
+    assert main(["validate", str(bad)]) == EXIT_INVALID
+    assert "spec.maxRunningRequest: unknown field" in capsys.readouterr().err
+
+
+def test_speculative_fields_are_refused_until_supported(tmp_path, capsys):
+    f = tmp_path / "spec.yaml"
+    f.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
+        "spec: {model: {path: m}, draft: {path: d}}\n"
+    )
+    assert main(["validate", str(f)]) == EXIT_INVALID
+    assert "spec.draft: speculative decoding is not yet supported" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""The SpecDecodeDeployment schema: defaults, path resolution, and errors that name the field."""
+
+import pytest
+
+from specd.workers.config import ConfigError, load_deployment, parse_deployment
+
+
+def doc(**spec):
+    return {
+        "apiVersion": "specd.dev/v1alpha1",
+        "kind": "SpecDecodeDeployment",
+        "metadata": {"name": "t"},
+        "spec": {"model": {"path": "m"}, **spec},
+    }
+
+
+def test_defaults():
+    spec = parse_deployment(doc()).spec
+    assert (spec.replicas, spec.kv_cache.page_size, spec.attention_backend) == (1, 1, "auto")
+    assert spec.served_model_name == "m" and spec.draft is None
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        pytest.param(
+            {"kvCache": {"pageSize": 0}},
+            "spec.kvCache.pageSize: Input should be greater",
+            id="range",
+        ),
+        pytest.param(
+            {"model": {"path": "m", "dtype": "fp8"}},
+            "spec.model.dtype: Input should be 'auto'",
+            id="enum",
+        ),
+        pytest.param(
+            {"attentionBackend": "cuda"},
+            "spec.attentionBackend: Input should be 'auto', 'torch'",
+            id="literal",
+        ),
+        pytest.param(
+            {"replicas": "two"}, "spec.replicas: Input should be a valid integer", id="type"
+        ),
+        pytest.param(
+            {"kvCache": {"maxTokens": 8, "memFraction": 0.5}},
+            "spec.kvCache: Value error, set only one",
+            id="conflict",
+        ),
+        pytest.param(
+            {"scheduler": {"chunkSize": 8}}, "spec.scheduler.chunkSize: unknown field", id="unknown"
+        ),
+        pytest.param(
+            {"sessions": {"enabled": True}},
+            "spec.sessions.enabled: streaming sessions are not yet",
+            id="not-yet",
+        ),
+    ],
+)
+def test_errors_name_the_field(spec, message):
+    with pytest.raises(ConfigError) as err:
+        parse_deployment(doc(**spec))
+    assert message in str(err.value)
+
+
+def test_missing_model_is_named():
+    with pytest.raises(ConfigError, match=r"spec.model: Field required"):
+        parse_deployment({**doc(), "spec": {}})
+
+
+def test_relative_paths_resolve_against_the_file(tmp_path):
+    (tmp_path / "sdd.yaml").write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: x}\n"
+        "spec: {model: {path: models/t}}\n"
+    )
+    assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
+
+
+def test_config_hash_ignores_replicas_only():
+    a = parse_deployment(doc(replicas=1)).spec
+    assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
+    assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
