@@ -1,35 +1,30 @@
 """specd's engine (no speculation) against peers on the same checkpoint.
 
-Greedy, token-id prompts, fixed output length.  Engines run one after another,
-repeated and interleaved; medians are printed as ratios measured in this run, and
-every run checks that outputs are token-identical to transformers at batch 1.
+Greedy, token-id prompts, fixed output length.  Every engine runs in its own worker
+process (bench_worker.py); runs are interleaved repeat by repeat, medians are
+printed as ratios measured in this run, and every run checks that outputs are
+token-identical to transformers at batch 1.
 
     python benchmarks/bench_engine.py --model examples/models/demo-target \\
         [--batch 1 32] [--new-tokens 64] [--repeats 3] [--vllm-python .venv-vllm/bin/python]
 
-Peers: ``transformers`` ``generate`` (always; batch > 1 uses one left-padded batch)
-and, with ``--vllm-python``, vLLM's CPU build run by ``bench_vllm_worker.py`` in its
-own virtualenv.  Also prints the host (scheduler) share of specd's step time.
+Peers: ``transformers`` ``generate`` on one padded batch and one request at a time
+(``transformers-seq``: a server without continuous batching), and, with
+``--vllm-python``, vLLM's CPU build from its own virtualenv.  Also prints the host
+(scheduler) share of specd's step time.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
-
-from specd.workers.config import spec_for_model
-from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import GenerateRequest, SamplingParams
+WORKER = str(Path(__file__).with_name("bench_worker.py"))
 
 
 def make_prompts(n: int, vocab: int, seed: int, lo: int = 16, hi: int = 64) -> list[list[int]]:
@@ -37,138 +32,68 @@ def make_prompts(n: int, vocab: int, seed: int, lo: int = 16, hi: int = 64) -> l
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-class SpecdRunner:
-    name = "specd"
+class Worker:
+    """One engine in a subprocess, answering timed generation requests."""
 
-    def __init__(self, model: str, dtype: str, max_running: int):
-        spec = spec_for_model(model, model={"dtype": dtype}, maxRunningRequests=max(max_running, 1))
-        self.engine = Engine(spec, device="cpu")
-        self.engine.start()
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-
-        async def one(i, p):
-            out = []
-            async for d in self.engine.generate(GenerateRequest(f"b{i}", tuple(p), params)):
-                out += d.token_ids
-            return out
-
-        async def all_():
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-        return asyncio.run(all_())
-
-    def host_share(self) -> float:
-        s = self.engine.step_seconds
-        return s["host"] / max(s["host"] + s["model"], 1e-9)
-
-    def close(self):
-        self.engine.shutdown()
-
-
-class TransformersRunner:
-    """``generate`` on one left-padded static batch (how a script would batch)."""
-
-    name = "transformers"
-
-    def __init__(self, model: str, dtype: str):
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        out = self.model.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        return out[:, width:].tolist()
-
-    def close(self):
-        pass
-
-
-class TransformersServingRunner(TransformersRunner):
-    """``generate`` one request at a time: a server without continuous batching."""
-
-    name = "transformers-seq"
-
-    def __init__(self, base: TransformersRunner):
-        self.model = base.model
-
-    def run(self, prompts, new_tokens):
-        return [super(TransformersServingRunner, self).run([p], new_tokens)[0] for p in prompts]
-
-
-class VllmRunner:
-    """Runs vLLM in its own virtualenv through bench_vllm_worker.py (one process per call)."""
-
-    name = "vllm-cpu"
-
-    def __init__(self, python: str, model: str, dtype: str):
-        self.python, self.model, self.dtype = python, model, dtype
-        self.worker = str(Path(__file__).with_name("bench_vllm_worker.py"))
-
-    def run_timed(self, prompts, new_tokens, repeats):
+    def __init__(self, engine: str, python: str, model: str, dtype: str, max_batch: int):
+        self.name = engine
         cmd = [
-            self.python,
-            self.worker,
+            python,
+            WORKER,
+            "--engine",
+            engine,
             "--model",
-            self.model,
+            model,
             "--dtype",
-            self.dtype,
-            "--new-tokens",
-            str(new_tokens),
-            "--repeats",
-            str(repeats),
+            dtype,
+            "--max-batch",
+            str(max_batch),
         ]
-        res = subprocess.run(
-            cmd, input=json.dumps(prompts), capture_output=True, text=True, check=True
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
-        line = next(ln for ln in res.stdout.splitlines() if ln.startswith('{"seconds"'))
-        result = json.loads(line)
-        return result["seconds"], result["outputs"]
+        self._read()  # {"ready": true}
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.name} worker exited with {self.proc.wait()}")
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
-def timed(runner, prompts, new_tokens):
-    t0 = time.perf_counter()
-    out = runner.run(prompts, new_tokens)
-    return time.perf_counter() - t0, out
-
-
-def bench_batch(runners, vllm, prompts, new_tokens, repeats, reference):
-    times = {r.name: [] for r in runners}
-    outputs = {}
+def bench_batch(workers, prompts, new_tokens, repeats, reference):
+    for w in workers:  # warm-up, untimed
+        w.run(prompts[:2], 4)
+    times = {w.name: [] for w in workers}
+    outputs, host = {}, None
     for rep in range(repeats):  # interleaved: each repeat runs every engine once
-        order = runners if rep % 2 == 0 else list(reversed(runners))
-        for runner in order:
-            seconds, out = timed(runner, prompts, new_tokens)
-            times[runner.name].append(seconds)
-            outputs[runner.name] = out
-    if vllm is not None:
-        times[vllm.name], outputs[vllm.name] = vllm.run_timed(prompts, new_tokens, repeats)
+        for w in workers if rep % 2 == 0 else reversed(workers):
+            reply = w.run(prompts, new_tokens)
+            times[w.name].append(reply["seconds"])
+            outputs[w.name] = reply["outputs"]
+            host = reply["host_share"] if w.name == "specd" else host
     tokens = len(prompts) * new_tokens
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"\n## batch {len(prompts)}: {tokens} output tokens per run, {repeats} repeats")
     for name, med in medians.items():
         same = sum(o == r for o, r in zip(outputs[name], reference, strict=True))
         print(
-            f"  {name:14s} median {med:7.3f}s  {tokens / med:8.1f} tok/s  "
+            f"  {name:16s} median {med:7.3f}s {tokens / med:8.1f} tok/s   "
             f"token-identical to transformers batch 1: {same}/{len(prompts)}"
         )
     for name, med in medians.items():
         if name != "specd":
-            print(f"  specd speed vs {name}: {med / medians['specd']:.2f}x")
+            print(f"  specd vs {name}: {med / medians['specd']:.2f}x")
+    print(f"  specd host (scheduler, bookkeeping) share of step time: {host:.1%}")
     return medians
 
 
@@ -182,25 +107,30 @@ def main(argv=None):
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     args = ap.parse_args(argv)
 
-    torch.manual_seed(0)
-    hf = TransformersRunner(args.model, args.dtype)
-    vocab = hf.model.config.vocab_size
-    specd = SpecdRunner(args.model, args.dtype, max(args.batch))
-    vllm = VllmRunner(args.vllm_python, args.model, args.dtype) if args.vllm_python else None
-    print(
-        f"# specd engine benchmark: {args.model} ({args.dtype}), {torch.get_num_threads()} threads"
-    )
+    with open(Path(args.model) / "config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    max_batch = max(args.batch)
+    names = ["specd", "transformers", "transformers-seq"] + (["vllm"] if args.vllm_python else [])
+    workers = {
+        n: Worker(
+            n,
+            args.vllm_python if n == "vllm" else sys.executable,
+            args.model,
+            args.dtype,
+            max_batch,
+        )
+        for n in names
+    }
+    print(f"# specd engine benchmark: {args.model} ({args.dtype}), one process per engine")
     try:
         for batch in args.batch:
             prompts = make_prompts(batch, vocab, seed=batch)
-            reference = [hf.run([p], args.new_tokens)[0] for p in prompts]
-            runners = [specd, hf] + ([TransformersServingRunner(hf)] if batch > 1 else [])
-            bench_batch(runners, vllm, prompts, args.new_tokens, args.repeats, reference)
-        print(
-            f"\nspecd host (scheduler + bookkeeping) share of step time: {specd.host_share():.1%}"
-        )
+            reference = workers["transformers-seq"].run(prompts, args.new_tokens)["outputs"]
+            chosen = [w for n, w in workers.items() if batch > 1 or n != "transformers-seq"]
+            bench_batch(chosen, prompts, args.new_tokens, args.repeats, reference)
     finally:
-        specd.close()
+        for w in workers.values():
+            w.close()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
+from specd.workers.model.cpu_linear import prepack_linears
 from specd.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,18 @@ def check_weights(
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    prepack_cpu: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from ``path``/config.json and load its safetensors weights.
 
     ``dtype``: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
     The LM head is tied to the embeddings when ``tie_word_embeddings`` is set (a stored
     ``lm_head.weight`` is then ignored, as transformers does) or when the checkpoint has
-    no ``lm_head.weight``.
+    no ``lm_head.weight``.  On CPU, linear weights are pre-packed for oneDNN unless
+    ``prepack_cpu`` is False (see ``cpu_linear``).
     """
     folder = Path(path)
     config = load_model_config(folder)
@@ -128,4 +133,7 @@ def load_model(
     model.load_state_dict(weights, strict=False, assign=True)
     if tie:
         model.tie_weights()
-    return model.eval().requires_grad_(False), config
+    model.eval().requires_grad_(False)
+    if prepack_cpu:
+        prepack_linears(model)
+    return model, config

@@ -1,0 +1,152 @@
+"""One engine in its own process, timing generations for bench_engine.py.
+
+Each engine gets a process of its own so that no two torch thread pools share the
+cores (CPU torch runs one OpenMP team per calling thread; two teams halve matmul
+speed on small machines).  vLLM runs this file with its own virtualenv's python.
+
+Protocol (one JSON object per line): the worker prints ``{"ready": true}`` once the
+model is loaded; for each request ``{"prompts": [[ids...], ...], "new_tokens": N}``
+it generates N greedy tokens for every prompt and prints ``{"seconds": wall_time,
+"outputs": [[ids...], ...], "host_share": float | null}``.
+
+    python bench_worker.py --engine specd|transformers|transformers-seq|vllm --model DIR
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+
+class Specd:
+    """specd's engine, in-process (no Ray), all requests submitted at once."""
+
+    def __init__(self, model, dtype, max_batch):
+        from specd.workers.config import spec_for_model
+        from specd.workers.engine.engine import Engine
+
+        spec = spec_for_model(model, model={"dtype": dtype}, maxRunningRequests=max_batch)
+        self.engine = Engine(spec, device="cpu")
+        self.engine.start()
+
+    def generate(self, prompts, n):
+        from specd.workers.engine.types import GenerateRequest, SamplingParams
+
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+
+        async def one(i, p):
+            out = []
+            async for d in self.engine.generate(GenerateRequest(f"b{i}", tuple(p), params)):
+                out += d.token_ids
+            return out
+
+        async def all_():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        return asyncio.run(all_())
+
+    def host_share(self):
+        s = self.engine.step_seconds
+        return s["host"] / max(s["host"] + s["model"], 1e-9)
+
+
+class Transformers:
+    """``generate`` on one left-padded static batch (how a script batches)."""
+
+    def __init__(self, model, dtype, max_batch):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+
+    def generate(self, prompts, n):
+        torch = self.torch
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[:, width:].tolist()
+
+    def host_share(self):
+        return None
+
+
+class TransformersSequential(Transformers):
+    """``generate`` one request at a time: a server without continuous batching."""
+
+    def generate(self, prompts, n):
+        return [super(TransformersSequential, self).generate([p], n)[0] for p in prompts]
+
+
+class Vllm:
+    def __init__(self, model, dtype, max_batch):
+        from vllm import LLM
+
+        with open(f"{model}/config.json") as f:
+            max_len = json.load(f)["max_position_embeddings"]
+        self.llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_len,
+            enforce_eager=True,
+            gpu_memory_utilization=0.3,  # on CPU: share of node memory for the KV cache
+            max_num_seqs=max_batch,
+            seed=0,
+        )
+
+    def generate(self, prompts, n):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        results = self.llm.generate(inputs, params, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in results]
+
+    def host_share(self):
+        return None
+
+
+ENGINES = {
+    "specd": Specd,
+    "transformers": Transformers,
+    "transformers-seq": TransformersSequential,
+    "vllm": Vllm,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=ENGINES, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-batch", type=int, default=64)
+    args = ap.parse_args()
+    engine = ENGINES[args.engine](args.model, args.dtype, args.max_batch)
+    out = sys.stdout
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        t0 = time.perf_counter()
+        outputs = engine.generate(req["prompts"], req["new_tokens"])
+        seconds = time.perf_counter() - t0
+        reply = {"seconds": seconds, "outputs": outputs, "host_share": engine.host_share()}
+        print(json.dumps(reply), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    main()

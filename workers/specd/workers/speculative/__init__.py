@@ -1,0 +1,1 @@
+"""Speculative decoding as pure tensor functions: draft trees (``tree``) and verify (``verify``)."""
