@@ -7,7 +7,13 @@ data.  A byte-level BPE tokenizer is trained on it, then a Llama-architecture mo
 fixed seed.  The result is saved in bf16 safetensors with the tokenizer, a chat
 template and ``manifest.json`` (arguments, corpus digest, losses, file hashes).
 
-    python -m specd.workers.tools.train_demo --out examples/models/demo-target --minutes 80
+    python -m specd.workers.tools.train_demo --out examples/models/demo-target
+
+``--steps`` is the length of the LR schedule; ``--minutes`` caps wall time (0: no cap)
+and may stop a run early.  Checkpoints (same layout, ``"final": false`` in the
+manifest) replace the folder's files every ``--checkpoint-minutes``.  The manifest's
+``reproduce`` field is the command that replays the run step for step, time cap
+excluded (same seed, data order and schedule; bitwise only on the same CPU kind).
 """
 
 from __future__ import annotations
@@ -17,16 +23,19 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import platform
 import random
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from tempfile import TemporaryDirectory
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -48,10 +57,11 @@ class TrainArgs:
     num_kv_heads: int = 4
     seq_len: int = 256
     batch_size: int = 16
-    lr: float = 1e-3
-    warmup_steps: int = 100
-    steps: int = 100000
-    minutes: float = 80.0
+    lr: float = 1.5e-3
+    warmup_steps: int = 50
+    steps: int = 1200  # LR schedule length and step limit
+    stop_after: int = 0  # stop after this many steps (0: at --steps); replays a cut-off run
+    minutes: float = 80.0  # wall-clock cap, 0 = none
     eval_every: int = 50
     checkpoint_minutes: float = 10.0
     max_files: int = 0  # 0 = the whole standard library
@@ -175,23 +185,59 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save(model, tokenizer, out: Path, manifest: dict) -> None:
-    """bf16 safetensors + tokenizer + manifest with file hashes."""
+def _sha256_text(parts: list[str]) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def model_summary(config: LlamaConfig) -> dict:
+    """The architecture numbers a reader of the manifest cares about."""
+    keys = (
+        "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+        "tie_word_embeddings",
+    )  # fmt: skip
+    rope = getattr(config, "rope_parameters", None) or {}
+    summary = {"architecture": "LlamaForCausalLM", **{k: getattr(config, k) for k in keys}}
+    summary["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    return summary
+
+
+def reproduce_command(args: TrainArgs, steps_done: int) -> str:
+    """CLI that replays this run's steps without the wall-clock cap."""
+    replay = {**asdict(args), "minutes": 0.0, "stop_after": 0}
+    if steps_done < args.steps:
+        replay["stop_after"] = steps_done
+    defaults = asdict(TrainArgs(out=args.out))
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in replay.items() if v != defaults[k]]
+    return " ".join(["python -m specd.workers.tools.train_demo --out", args.out, *flags])
+
+
+def save(model, tokenizer, out: Path, manifest: dict) -> dict:
+    """bf16 safetensors + tokenizer + manifest with file hashes, written to a scratch
+    folder first and then moved in file by file, so a crash mid-write leaves the
+    previous checkpoint readable."""
     out.mkdir(parents=True, exist_ok=True)
-    bf16 = LlamaForCausalLM(model.config).to(torch.bfloat16)
-    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
-    bf16.config.dtype = "bfloat16"
-    bf16.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "manifest.json")
-    manifest = {**manifest, "files": {p.name: sha256_file(p) for p in files}}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    with TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        scratch = Path(tmp)
+        bf16 = LlamaForCausalLM(model.config).to(torch.bfloat16)
+        bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+        bf16.config.dtype = "bfloat16"
+        bf16.save_pretrained(scratch, safe_serialization=True)
+        tokenizer.save_pretrained(scratch)
+        files = sorted(p for p in scratch.iterdir() if p.is_file())
+        manifest = {**manifest, "files": {p.name: sha256_file(p) for p in files}}
+        (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for p in [*files, scratch / "manifest.json"]:  # manifest last: it vouches for the rest
+            os.replace(p, out / p.name)
+    return manifest
 
 
 def train(args: TrainArgs, log=print) -> dict:
+    """Build the corpus and tokenizer, train, checkpoint, save; returns the manifest."""
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
     files = corpus_files(args.max_files)
     train_files, val_files = split_files(files)
     train_texts, val_texts = read_texts(train_files), read_texts(val_files)
@@ -209,37 +255,72 @@ def train(args: TrainArgs, log=print) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     t0 = last_ckpt = time.monotonic()
-    deadline = t0 + args.minutes * 60
+    deadline = t0 + args.minutes * 60 if args.minutes > 0 else math.inf
     total = args.steps
-    history, step = [], 0
+    stop = min(total, args.stop_after or total)
+    history: list[dict] = []
+    recent: list[float] = []  # train losses since the last record
+    step = 0
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rel = [str(f.relative_to(stdlib)) for f in files]
+    val_rel = [str(f.relative_to(stdlib)) for f in val_files]
+
+    def record() -> None:
+        val = evaluate(model, val_stream, args)
+        entry = {"step": step}
+        if recent:  # mean over the steps since the last record, not one noisy batch
+            entry["train_loss"] = round(sum(recent) / len(recent), 4)
+            recent.clear()
+        entry |= {
+            "val_loss": round(val, 4),
+            "val_ppl": round(math.exp(val), 2),
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        history.append(entry)
+        log(json.dumps(entry))
 
     def manifest(final: bool) -> dict:
+        last = history[-1] if history else {}
+        last_train = next((h["train_loss"] for h in reversed(history) if "train_loss" in h), None)
         return {
             "script": "python -m specd.workers.tools.train_demo",
             "args": asdict(args),
+            "seed": args.seed,
+            "reproduce": reproduce_command(args, step),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "corpus": {
                 "source": "Python standard library *.py (sorted), excluding dirs "
                 + ", ".join(_EXCLUDED_DIRS),
+                "stdlib_relative_to": "sysconfig.get_paths()['stdlib']",
+                "files": len(files),
+                "files_sha256": _sha256_text(rel),
                 "train_files": len(train_files),
-                "val_files": [str(f.relative_to(stdlib)) for f in val_files],
+                "val_files": val_rel,
                 "train_tokens": len(train_stream),
                 "val_tokens": len(val_stream),
-                "sha256": hashlib.sha256("\0".join(train_texts).encode()).hexdigest(),
+                "sha256": _sha256_text(train_texts),
             },
+            "tokenizer": {"vocab_size": len(tokenizer), "type": "byte-level BPE"},
+            "model": model_summary(model.config),
             "params": params,
             "steps_done": step,
+            "stopped_by": "steps" if step >= stop else "minutes",
             "tokens_seen": step * args.batch_size * args.seq_len,
             "train_seconds": round(time.monotonic() - t0, 1),
+            "final_metrics": {
+                "train_loss": last_train,
+                "train_ppl": round(math.exp(last_train), 2) if last_train is not None else None,
+                "val_loss": last.get("val_loss"),
+                "val_ppl": last.get("val_ppl"),
+            },
             "history": history,
             "final": final,
             "date": datetime.date.today().isoformat(),
         }
 
     model.train()
-    while step < total and time.monotonic() < deadline:
+    while step < stop and time.monotonic() < deadline:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args, total)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16_autocast)):
@@ -249,37 +330,24 @@ def train(args: TrainArgs, log=print) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        recent.append(loss.item())
         if step % args.eval_every == 0 or step == 1:
-            val = evaluate(model, val_stream, args)
-            history.append(
-                {
-                    "step": step,
-                    "train_loss": round(loss.item(), 4),
-                    "val_loss": round(val, 4),
-                    "val_ppl": round(math.exp(val), 2),
-                    "seconds": round(time.monotonic() - t0, 1),
-                }
-            )
-            log(json.dumps(history[-1]))
-        if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
+            record()
+        if time.monotonic() - last_ckpt >= args.checkpoint_minutes * 60:
             save(model, tokenizer, Path(args.out), manifest(final=False))
+            log(f"checkpoint: step {step} -> {args.out}")
             last_ckpt = time.monotonic()
-    val = evaluate(model, val_stream, args)
-    history.append(
-        {
-            "step": step,
-            "val_loss": round(val, 4),
-            "val_ppl": round(math.exp(val), 2),
-            "seconds": round(time.monotonic() - t0, 1),
-        }
-    )
-    log(json.dumps(history[-1]))
-    result = manifest(final=True)
-    save(model, tokenizer, Path(args.out), result)
+    if not history or history[-1]["step"] != step:
+        record()
+    if step < stop:
+        log(f"wall-clock cap hit at step {step} of {stop}; the LR schedule did not finish")
+    result = save(model, tokenizer, Path(args.out), manifest(final=True))
+    log(f"saved {args.out}: " + json.dumps(result["final_metrics"]))
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
+    """CLI: one ``--flag`` per :class:`TrainArgs` field."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in asdict(TrainArgs(out="")).items():
         ap.add_argument(
