@@ -1,0 +1,232 @@
+"""Draft trees: top-k drafting steps, best-(T-1) node selection, tree masks, positions.
+
+Notation: bs requests, k = topk, S = draft steps, T = num_draft_tokens (tree size with the
+root), V = vocab.  Node 0 of every tree is the root: the last bonus token, whose KV is not
+written yet, so it sits at position ``seq_len``; the other nodes are draft tokens sorted
+so that parents precede children.
+
+The engine calls the steps between draft forwards (chain drafting is ``k == 1``)::
+
+    step = first_step(draft_logprobs_after_root, k)           # [bs, V] -> k nodes
+    steps = [step]
+    for _ in range(S - 1):
+        step = expand_step(step, draft_logprobs_after(step.tokens), k)  # [bs, k, V]
+        steps.append(step)
+    tree = build_tree(root_tokens, steps, T)
+
+Everything is batched over requests and runs on CPU or CUDA; the only loops are over the
+T tree nodes (small), plus a host loop over requests for the ragged verify mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StepOut:
+    """The k nodes one drafting step keeps.
+
+    tokens [bs, k] int64; scores [bs, k] float32: cumulative draft log-prob from the root,
+    best first; parents [bs, k] int64: index into the previous step's k nodes (-1 in step 0,
+    whose parent is the root).
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parents: torch.Tensor
+
+
+def first_step(logprobs: torch.Tensor, k: int) -> StepOut:
+    """logprobs [bs, V]: draft log-probs after the root -> the root's top-k children."""
+    scores, tokens = torch.topk(logprobs, k, dim=-1)  # [bs, k]
+    return StepOut(tokens, scores.float(), torch.full_like(tokens, -1))
+
+
+def expand_step(prev: StepOut, child_logprobs: torch.Tensor, k: int) -> StepOut:
+    """Best k of the k x k candidates (each of prev's nodes' top-k children) by score.
+
+    child_logprobs [bs, k, V]: draft log-probs after each of ``prev``'s nodes.  Ties keep
+    the lower parent-major candidate index, so the choice does not depend on sort internals.
+    """
+    child_scores, child_tokens = torch.topk(child_logprobs, k, dim=-1)  # [bs, k_prev, k]
+    cand = (prev.scores[:, :, None] + child_scores.float()).flatten(1)  # [bs, k_prev * k]
+    keep = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :k]  # [bs, k]
+    return StepOut(
+        tokens=child_tokens.flatten(1).gather(1, keep),
+        scores=cand.gather(1, keep),
+        parents=keep // k,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    """T verify tokens per request with their tree structure (all int64 unless noted).
+
+    tokens [bs, T]: node 0 = root (last bonus token), then draft tokens, parents first.
+    parents [bs, T]: parent node index, -1 for the root.  depths [bs, T]: root 0.
+    tree_mask [bs, T, T] bool: node i sees node j iff j is i or an ancestor of i.
+    retrieve_next_token / retrieve_next_sibling [bs, T]: first child / next sibling (by
+    node index, so the best-scored child comes first), -1 if none.
+    num_steps: S, a bound on the depth (host int: sizes verify outputs without a sync).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    tree_mask: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+    num_steps: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """seq_lens [bs] (tokens before the root) -> [bs, T] positions ``seq_len + depth``."""
+        return seq_lens.to(self.depths)[:, None] + self.depths
+
+    @classmethod
+    def from_parents(
+        cls, tokens: torch.Tensor, parents: torch.Tensor, num_steps: int | None = None
+    ) -> DraftTree:
+        """Build depths, mask and retrieve arrays from tokens/parents [bs, T].
+
+        Requires ``parents[:, 0] == -1`` and ``0 <= parents[:, i] < i`` (see
+        ``check_invariants``).  ``num_steps`` defaults to the max depth (a device sync).
+        """
+        tokens, parents = tokens.long(), parents.long()
+        depths, tree_mask = _depths_and_ancestors(parents)
+        is_child = (
+            parents[:, None, :]
+            == torch.arange(parents.shape[1], device=parents.device)[None, :, None]
+        )  # [bs, parent p, node i]
+        same_parent = parents[:, :, None] == parents[:, None, :]  # [bs, i, j]
+        after = torch.ones_like(same_parent[0]).triu(1)  # [T, T]: j > i
+        return cls(
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            tree_mask=tree_mask,
+            retrieve_next_token=first_true(is_child),
+            retrieve_next_sibling=first_true(same_parent & after),
+            num_steps=int(depths.max()) if num_steps is None else num_steps,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ValueError unless the root is node 0 and every parent precedes its child."""
+        node = torch.arange(self.num_tokens, device=self.parents.device)
+        if not bool((self.parents[:, 0] == -1).all()):
+            raise ValueError("node 0 must be the root (parent -1)")
+        inner = self.parents[:, 1:]
+        if not bool(((inner >= 0) & (inner < node[1:])).all()):
+            raise ValueError("every draft node needs a parent that precedes it")
+        if not bool((self.depths <= self.num_steps).all()):
+            raise ValueError(f"a node is deeper than num_steps={self.num_steps}")
+
+
+def _depths_and_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [bs, T] -> depths [bs, T], ancestor-or-self mask [bs, T, T] (one pass)."""
+    bs, t = parents.shape
+    rows = torch.arange(bs, device=parents.device)
+    depths = torch.zeros_like(parents)
+    mask = torch.eye(t, dtype=torch.bool, device=parents.device).repeat(bs, 1, 1)
+    for i in range(1, t):  # parents precede children: row parents[:, i] is final already
+        p = parents[:, i]
+        depths[:, i] = depths[rows, p] + 1
+        mask[:, i] |= mask[rows, p]
+    return depths, mask
+
+
+def first_true(m: torch.Tensor) -> torch.Tensor:
+    """m [..., T] bool -> [...] index of the first True along the last dim, -1 if none."""
+    t = m.shape[-1]
+    idx = torch.where(m, torch.arange(t, device=m.device), t).amin(-1)
+    return torch.where(idx == t, -1, idx)
+
+
+def build_tree(
+    root_tokens: torch.Tensor, steps: Sequence[StepOut], num_draft_tokens: int
+) -> DraftTree:
+    """Keep the best ``T - 1`` of the S*k drafted nodes, parents first, after the root.
+
+    root_tokens [bs]; steps: S step outputs (each k nodes).  A node's rank score is the
+    min of its own and its ancestors' scores (equal to its cumulative log-prob, which never
+    exceeds its parent's); ties go to the lower candidate index ``s*k + j``, which is
+    shallower, so a node is only kept if its parent is.  Kept nodes are sorted by
+    candidate index, i.e. by (depth, rank within the step).
+
+    Worked example, k=2, S=2, T=4, root token r (probabilities, scores are their logs)::
+
+        step 0: a .6, b .3                      (parents: root, root)
+        step 1: children of a: c .6 -> .36, d .2 -> .12
+                children of b: e .9 -> .27, f .1 -> .03
+                best 2 of 4: c .36 (parent 0 = a), e .27 (parent 1 = b)
+        candidates s*k+j: 0:a .6  1:b .3  2:c .36  3:e .27
+        best T-1 = 3: a, c, b -> sorted by index: a, b, c
+
+        node     0  1  2  3         tree_mask   r a b c
+        token    r  a  b  c                  r  1 0 0 0
+        parent  -1  0  0  1                  a  1 1 0 0
+        depth    0  1  1  2                  b  1 0 1 0
+        next_token    1 3 -1 -1              c  1 1 0 1
+        next_sibling -1 2 -1 -1
+    """
+    if not steps:
+        raise ValueError("build_tree needs at least one drafting step")
+    k, num_cand = steps[0].tokens.shape[1], len(steps) * steps[0].tokens.shape[1]
+    if not 1 <= num_draft_tokens <= num_cand + 1:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} must be in [1, steps*topk + 1 = {num_cand + 1}]"
+        )
+    tokens = torch.cat([s.tokens for s in steps], 1)  # [bs, S*k], candidate c = s*k + j
+    parent_cand = torch.cat(
+        [steps[0].parents] + [s.parents + (i - 1) * k for i, s in enumerate(steps) if i], 1
+    )  # [bs, S*k], -1 = root
+    rank_scores = _ancestor_min_scores(steps)
+    best = torch.sort(rank_scores, dim=1, descending=True, stable=True).indices
+    kept = torch.sort(best[:, : num_draft_tokens - 1], dim=1).values  # [bs, T-1]
+
+    # candidate -> tree node, shifted by one so the root (candidate -1) maps to node 0
+    bs = tokens.shape[0]
+    node_of = torch.full((bs, num_cand + 1), -1, dtype=torch.long, device=tokens.device)
+    node_of[:, 0] = 0
+    node_ids = torch.arange(1, num_draft_tokens, device=tokens.device).expand(bs, -1)
+    node_of.scatter_(1, kept + 1, node_ids)
+    parents = node_of.gather(1, parent_cand.gather(1, kept) + 1)
+    return DraftTree.from_parents(
+        tokens=torch.cat([root_tokens.long()[:, None], tokens.gather(1, kept)], 1),
+        parents=torch.cat([torch.full_like(parents[:, :1], -1), parents], 1),
+        num_steps=len(steps),
+    )
+
+
+def _ancestor_min_scores(steps: Sequence[StepOut]) -> torch.Tensor:
+    """[bs, S*k] min of each node's score and its ancestors' (monotone along every path)."""
+    out = [steps[0].scores]
+    for step in steps[1:]:
+        out.append(torch.minimum(step.scores, out[-1].gather(1, step.parents)))
+    return torch.cat(out, 1)
+
+
+def tree_attention_mask_for_verify(
+    tree: DraftTree, prefix_lens: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
+    """Flat bool verify mask in ``AttentionMetadata.custom_mask`` layout.
+
+    Per request: ``[T, prefix_len + T]`` row-major, the prefix fully visible, then the tree
+    mask, assuming the request's KV order is the prefix followed by the T nodes in node
+    order; requests concatenated.  Ragged, so built by a host loop over requests.
+    """
+    lens = prefix_lens.tolist() if isinstance(prefix_lens, torch.Tensor) else list(prefix_lens)
+    t, mask = tree.num_tokens, tree.tree_mask
+    parts = [torch.cat([mask.new_ones(t, n), mask[b]], 1).flatten() for b, n in enumerate(lens)]
+    return torch.cat(parts) if parts else mask.new_zeros(0)
