@@ -31,11 +31,11 @@ def test_validate_accepts_a_good_file_and_names_the_bad_field(tmp_path, capsys):
     assert "spec.maxRunningRequest: unknown field" in capsys.readouterr().err
 
 
-def test_speculative_fields_are_refused_until_supported(tmp_path, capsys):
+def test_draft_without_speculative_is_refused(tmp_path, capsys):
     f = tmp_path / "spec.yaml"
     f.write_text(
         "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
         "spec: {model: {path: m}, draft: {path: d}}\n"
     )
     assert main(["validate", str(f)]) == EXIT_INVALID
-    assert "spec.draft: speculative decoding is not yet supported" in capsys.readouterr().err
+    assert "spec.draft needs spec.speculative" in capsys.readouterr().err

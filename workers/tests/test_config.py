@@ -50,6 +50,24 @@ def test_defaults():
             {"scheduler": {"chunkSize": 8}}, "spec.scheduler.chunkSize: unknown field", id="unknown"
         ),
         pytest.param(
+            {"draft": {"path": "d"}, "speculative": {"numSteps": 3, "numDraftTokens": 5}},
+            "spec.speculative: Value error, numDraftTokens must be numSteps + 1 = 4",
+            id="chain-tokens",
+        ),
+        pytest.param(
+            {
+                "draft": {"path": "d"},
+                "speculative": {"numSteps": 2, "topk": 4, "numDraftTokens": 10},
+            },
+            "numDraftTokens must be at most topk * numSteps + 1 = 9",
+            id="tree-too-big",
+        ),
+        pytest.param(
+            {"speculative": {"numSteps": 3}},
+            "spec.speculative needs spec.draft",
+            id="speculative-without-draft",
+        ),
+        pytest.param(
             {"sessions": {"enabled": True}},
             "spec.sessions.enabled: streaming sessions are not yet",
             id="not-yet",

@@ -4,80 +4,19 @@ retraction under a small KV pool, sampling, stop rules and aborts."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoModelForCausalLM
 
-from specd.workers.config import spec_for_model
-from specd.workers.engine.engine import Engine
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
-
-
-def start_engine(model_path, **overrides) -> Engine:
-    engine = Engine(
-        spec_for_model(model_path, model={"dtype": "float32"}, **overrides), device="cpu"
-    )
-    engine.start()
-    return engine
-
-
-async def collect(engine: Engine, rid: str, prompt, **params):
-    tokens, text, last = [], "", None
-    async for delta in engine.generate(
-        GenerateRequest(rid, tuple(prompt), SamplingParams(**params))
-    ):
-        tokens += delta.token_ids
-        text += delta.text
-        last = delta
-    return tokens, text, last
-
-
-def run_all(engine: Engine, prompts, **params):
-    async def go():
-        return await asyncio.gather(
-            *(collect(engine, f"r{i}", p, **params) for i, p in enumerate(prompts))
-        )
-
-    return asyncio.run(go())
-
-
-def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
-    """Wait until the loop has published a status with no request and no KV held."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = engine.status()
-        if st["running"] == st["queued"] == st["kv_used_tokens"] == 0:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def hf_greedy(model_path, prompts, max_new_tokens):
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
-def random_prompts(n, vocab, seed=0, lo=3, hi=40):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
+from specd.workers.testing import (
+    hf_greedy,
+    metric_value,
+    random_prompts,
+    run_all,
+    start_engine,
+    wait_idle,
+)
 
 MAX_NEW = 12
 
@@ -179,14 +118,6 @@ def test_bad_requests_get_400(engine):
         _, _, last = run_all(engine, [prompt], **params)[0]
         assert last.finish_reason is FinishReason.ERROR and last.error_code == 400
         assert last.error.startswith(field)
-
-
-def metric_value(engine: Engine, name: str) -> float:
-    for family in text_string_to_metric_families(engine.metrics_text().decode()):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
 
 
 def test_consumer_leaving_aborts_the_request(engine):

@@ -7,7 +7,11 @@ Modules:
 - ``torch_backend``  pure-torch reference backend (CPU and CUDA): the ground truth.
 """
 
-from specd.kernels.metadata import AttentionMetadata, build_attention_metadata
+from specd.kernels.metadata import (
+    AttentionMetadata,
+    build_attention_metadata,
+    build_metadata_from_slots,
+)
 from specd.kernels.registry import (
     AttentionBackend,
     BackendCapabilities,
@@ -22,6 +26,7 @@ __all__ = [
     "BackendCapabilities",
     "available_backends",
     "build_attention_metadata",
+    "build_metadata_from_slots",
     "get_backend",
     "resolve_backend_name",
 ]

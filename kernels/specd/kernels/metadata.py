@@ -77,3 +77,26 @@ def build_attention_metadata(
         kv_lens=tuple(kv_lens),
         custom_mask=custom_mask,
     )
+
+
+def build_metadata_from_slots(
+    slot_lists: list[torch.Tensor],
+    qo_lens: list[int],
+    custom_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Metadata from explicit KV slot lists (one [kv_len] tensor per query group).
+
+    For reads that are not a row prefix, e.g. a draft-tree node reading the prefix, its
+    ancestors and itself: one group per node with ``qo_len`` 1 is causal decode."""
+    if not slot_lists:
+        raise ValueError("build_metadata_from_slots needs at least one slot list")
+    kv_lens = [int(s.numel()) for s in slot_lists]
+    device = slot_lists[0].device
+    return AttentionMetadata(
+        qo_indptr=_indptr(qo_lens, device),
+        kv_indptr=_indptr(kv_lens, device),
+        kv_indices=torch.cat(slot_lists).to(torch.int64),
+        qo_lens=tuple(qo_lens),
+        kv_lens=tuple(kv_lens),
+        custom_mask=custom_mask,
+    )

@@ -68,10 +68,39 @@ class AdaptiveSpec(_Spec):
 
 
 class SpeculativeSpec(_Spec):
-    num_steps: int = Field(3, ge=1, le=16)
-    topk: int = Field(1, ge=1, le=16)
-    num_draft_tokens: int = Field(4, ge=2, le=256)
+    num_steps: int = Field(3, ge=1, le=16, description="Draft steps per verify (S)")
+    topk: int = Field(1, ge=1, le=16, description="Branching per draft step (k); 1 = chain")
+    num_draft_tokens: int = Field(
+        4, ge=2, le=256, description="Tokens per verify incl. the root (T)"
+    )
     adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
+
+    @model_validator(mode="after")
+    def _consistent_tree(self) -> SpeculativeSpec:
+        for rule in speculative_rules(self.num_steps, self.topk, self.num_draft_tokens):
+            raise ValueError(rule)
+        return self
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """T that KV is sized for (computed once here; the widest adaptive rung later)."""
+        return self.num_draft_tokens
+
+
+def speculative_rules(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
+    """The cross-field rules on (S, k, T), as messages for the ones broken."""
+    broken = []
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        broken.append(
+            f"numDraftTokens must be numSteps + 1 = {num_steps + 1} when topk is 1 "
+            f"(a chain verifies the root and one token per step); got {num_draft_tokens}"
+        )
+    if topk > 1 and num_draft_tokens > topk * num_steps + 1:
+        broken.append(
+            f"numDraftTokens must be at most topk * numSteps + 1 = {topk * num_steps + 1} "
+            f"(the tree has no more nodes); got {num_draft_tokens}"
+        )
+    return broken
 
 
 class KVCacheSpec(_Spec):
@@ -129,6 +158,23 @@ class DeploymentSpec(_Spec):
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
 
+    @model_validator(mode="after")
+    def _draft_and_speculative_together(self) -> DeploymentSpec:
+        if self.speculative is not None and self.draft is None:
+            raise ValueError(
+                "spec.speculative needs spec.draft (the draft model folder and algorithm)"
+            )
+        if self.draft is not None and self.speculative is None:
+            raise ValueError(
+                "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
+                "add `speculative: {}` for the defaults"
+            )
+        return self
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative is not None
+
     @property
     def served_model_name(self) -> str:
         return self.model.name or Path(self.model.path).name
@@ -173,15 +219,10 @@ def format_validation_error(err: ValidationError) -> str:
 
 def refuse_unsupported(spec: DeploymentSpec) -> None:
     """Refuse fields that parse but that this build cannot serve yet."""
-    if spec.draft is not None:
+    if spec.speculative is not None and spec.speculative.adaptive.enabled:
         raise ConfigError(
-            "spec.draft: speculative decoding is not yet supported by this build; "
-            "remove spec.draft to serve the target model alone"
-        )
-    if spec.speculative is not None:
-        raise ConfigError(
-            "spec.speculative: speculative decoding is not yet supported by this build; "
-            "remove spec.speculative"
+            "spec.speculative.adaptive.enabled: adaptive speculation is not yet supported; "
+            "set it to false"
         )
     if spec.sessions.enabled:
         raise ConfigError(

@@ -65,8 +65,41 @@ class EngineMetrics:
             "Engine loop time by phase (host bookkeeping vs model)",
             ["phase"],
         )
+        self.leak_checks = counter("specd_leak_checks", "Busy KV leak checks run (strict mode)")
+        self.leak_check_failures = counter(
+            "specd_leak_check_failures", "KV leak checks that found an imbalance"
+        )
+        self.spec_verify_steps = counter("specd_spec_verify_steps", "Speculative verify steps")
+        self.spec_draft_tokens = counter(
+            "specd_spec_draft_tokens", "Draft tokens proposed for verification (tree nodes)"
+        )
+        self.spec_accepted_tokens = counter(
+            "specd_spec_accepted_tokens", "Draft tokens accepted by verification (bonus excluded)"
+        )
+        self.spec_accepted_by_position = counter(
+            "specd_spec_accepted_by_position",
+            "Verifies whose accepted path reached this depth (1 = first draft token)",
+            ["position"],
+        )
+        self.spec_accept_length = Histogram(
+            "specd_spec_accept_length",
+            "Accepted draft tokens per verify (bonus excluded)",
+            lbl,
+            registry=r,
+            buckets=tuple(range(0, 17)),
+        ).labels(replica)
         self.replica = replica
         self.engine_healthy.set(1)
+
+    def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens_per_verify: int) -> None:
+        """Account one verify batch: accept_lens are accepted drafts per request."""
+        self.spec_verify_steps.inc(len(accept_lens))
+        self.spec_draft_tokens.inc(draft_tokens_per_verify * len(accept_lens))
+        self.spec_accepted_tokens.inc(sum(accept_lens))
+        for n in accept_lens:
+            self.spec_accept_length.observe(n)
+            for depth in range(1, n + 1):
+                self.spec_accepted_by_position.labels(self.replica, str(depth)).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

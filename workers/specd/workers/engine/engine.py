@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.kernels import get_backend
-from specd.workers.config import DeploymentSpec
+from specd.kernels import available_backends, get_backend, resolve_backend_name
+from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
 from specd.workers.engine.model_runner import ModelRunner
 from specd.workers.engine.types import (
@@ -35,16 +36,41 @@ from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.mem_cache.sizing import ceil_page, kv_pool_tokens, row_width
+from specd.workers.mem_cache.sizing import (
+    SpecShape,
+    admission_headroom,
+    ceil_page,
+    kv_pool_tokens,
+    row_width,
+)
 from specd.workers.metrics import EngineMetrics
+from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
+from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from specd.workers.speculative.decoder import SpecDecoder
+from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.layout import TreeLayout
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+
+
+def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
+    """Seed 002: page size > 1 with topk > 1 only on backends that declare the paged tree."""
+    if shape is None or page_size == 1 or shape.topk == 1:
+        return
+    backends = available_backends()
+    if not backends[backend].supports_paged_tree:
+        able = sorted(name for name, caps in backends.items() if caps.supports_paged_tree)
+        raise ConfigError(
+            f"spec.attentionBackend: {backend} does not support spec.kvCache.pageSize "
+            f"{page_size} with spec.speculative.topk {shape.topk}; use one of {able}, "
+            f"or pageSize 1, or topk 1"
+        )
 
 
 def pick_device(spec: DeploymentSpec) -> str:
@@ -78,6 +104,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._status: dict = {}
         self.step_seconds = {"host": 0.0, "model": 0.0}  # loop time outside / inside the model
+        self.strict_mem_check = spec.debug.strict_mem_check >= 1 or bool(
+            int(os.environ.get("SPECD_STRICT_MEM_CHECK", "0") or 0)
+        )
 
     # -- construction ------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +144,17 @@ class Engine:
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
+        self.spec_shape = SpecShape.from_spec(spec.speculative)
+        self.draft_head: DraftHead | None = None
+        if spec.draft is not None:
+            draft, draft_config = load_draft(
+                spec.draft.path,
+                spec.draft.algorithm,
+                self.model,
+                self.model_config,
+                device=str(self.device),
+            )
+            self.draft_head = DraftHead(draft, draft_config)
         self._build_memory()
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -122,6 +162,7 @@ class Engine:
                 chunked_prefill_size=spec.scheduler.chunked_prefill_size,
                 context_length=self.context_length,
                 eos_token_ids=self.eos_token_ids,
+                spec=self.spec_shape,
             ),
             self.kv,
         )
@@ -134,12 +175,19 @@ class Engine:
         per_token = KVPool.bytes_per_token(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype
         )
+        draft_cfg = self.draft_head.config if self.draft_head is not None else None
+        if draft_cfg is not None:  # the draft's KV shares the target's slots
+            per_token += KVPool.bytes_per_token(
+                draft_cfg.num_kv_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim, dtype
+            )
         free_bytes = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, self.context_length)
         num_pages = tokens // page
         self.allocator = PagedTokenAllocator(num_pages, page)
         self.req_pool = ReqToTokenPool(
-            spec.max_running_requests, row_width(self.context_length, None, page), self.device
+            spec.max_running_requests,
+            row_width(self.context_length, self.spec_shape, page),
+            self.device,
         )
         self.kv = KVManager(self.req_pool, self.allocator)
         self.kv_pool = KVPool(
@@ -150,8 +198,32 @@ class Engine:
             dtype,
             self.device,
         )
-        backend = get_backend(spec.attention_backend, self.device.type)
+        backend_name = resolve_backend_name(spec.attention_backend, self.device.type)
+        check_backend_supports_layout(backend_name, self.spec_shape, page)
+        backend = get_backend(backend_name, self.device.type)
         self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
+        self.spec_decoder: SpecDecoder | None = None
+        if draft_cfg is not None:
+            draft_pool = KVPool(
+                draft_cfg.num_kv_layers,
+                num_pages * page,
+                draft_cfg.num_kv_heads,
+                draft_cfg.head_dim,
+                dtype,
+                self.device,
+            )
+            shape = self.spec_shape
+            self.spec_decoder = SpecDecoder(
+                self.model,
+                self.draft_head,
+                TreeLayout(page, shape.topk, shape.num_steps),
+                spec.speculative.num_draft_tokens,
+                self.req_pool,
+                self.kv_pool,
+                draft_pool,
+                backend,
+                self.device,
+            )
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
 
     # -- public API (any thread / event loop) --------------------------------
@@ -171,6 +243,8 @@ class Engine:
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
         need = ceil_page(min(n + req.params.max_tokens, self.context_length), self.kv.page_size)
+        if self.spec_shape is not None:  # a verify step holds a reserve beyond committed
+            need += admission_headroom(self.spec_shape, self.kv.page_size)
         if need > self.allocator.total_tokens:
             raise InvalidRequest(
                 f"max_tokens: prompt + max_tokens needs {need} KV slots but the pool holds "
@@ -256,20 +330,66 @@ class Engine:
         retractions_before = self.scheduler.num_retractions
         batch = self.scheduler.schedule()
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
+        for req in self.scheduler.failed:
+            self._emit(req)
+        self.scheduler.failed.clear()
         model_s = 0.0
         if batch is not None:
-            kind = "decode" if all(n == 1 for n in batch.extend_lens) else "extend"
+            kind = "verify" if batch.verify else "decode"
+            if not batch.verify and any(n != 1 for n in batch.extend_lens):
+                kind = "extend"
             self.metrics.steps.labels(self.replica, kind).inc()
             t1 = time.perf_counter()
-            result = self.runner.run(batch)
+            updated = self._run_verify(batch) if batch.verify else self._run_extend(batch)
             model_s = time.perf_counter() - t1
-            for req in self.scheduler.process_result(batch, result):
+            for req in updated:
                 self._emit(req)
+        if self.strict_mem_check:
+            self._busy_leak_check()
         self._refresh_status()
         host_s = time.perf_counter() - t0 - model_s
         for phase, seconds in (("host", host_s), ("model", model_s)):
             self.step_seconds[phase] += seconds
             self.metrics.step_seconds.labels(self.replica, phase).inc(seconds)
+
+    def _run_extend(self, batch: ScheduledBatch) -> list[Req]:
+        """A prefill/decode batch; a speculative engine then runs the draft over it."""
+        capture = self.draft_head.capture_layers if self.draft_head is not None else None
+        result = self.runner.run(batch, capture)
+        updated = self.scheduler.process_result(batch, result)
+        if self.spec_decoder is not None:
+            self._draft_after_extend(batch, result)
+        return updated
+
+    def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        """Draft rows for the positions the target just filled (token ``p + 1`` with the
+        target's hidden at ``p``); a request whose prompt is now complete gets its state."""
+        features = self.draft_head.features(result.hidden, result.aux)
+        reqs, starts, tokens, feats, sampled = [], [], [], [], []
+        q0 = 0
+        for req, start, n, done in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True
+        ):
+            if not req.finished:
+                reqs.append(req)
+                starts.append(start)
+                tokens.append(req.fill_ids[start + 1 : start + n + 1])
+                feats.append(features[q0 : q0 + n])
+                sampled.append(done)
+            q0 += n
+        states = self.spec_decoder.run_draft_extend(reqs, starts, tokens, feats)
+        for req, state, done in zip(reqs, states, sampled, strict=True):
+            if done:
+                req.spec_state = state
+
+    def _run_verify(self, batch: ScheduledBatch) -> list[Req]:
+        """Draft a tree, verify it, resolve tokens, and let the draft read what was kept."""
+        out = self.spec_decoder.step(list(batch.reqs))
+        updated = self.scheduler.process_verify(batch, out.new_tokens)
+        self.metrics.observe_verify(out.accept_lens, self.spec_shape.max_draft_tokens - 1)
+        alive = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        self.spec_decoder.extend_after_verify([batch.reqs[i] for i in alive], out, alive)
+        return updated
 
     def _drain_inbox(self) -> None:
         while True:
@@ -320,7 +440,12 @@ class Engine:
     def _finish_delta(self, req: Req, delta: GenerateDelta, now: float) -> GenerateDelta:
         self.metrics.e2e.observe(now - req.arrival_time)
         self.metrics.finished.labels(self.replica, req.finish_reason.value).inc()
-        usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids))
+        usage = Usage(
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            spec_verify_steps=req.spec_verify_steps,
+            spec_accepted_tokens=req.spec_accepted_tokens,
+        )
         return GenerateDelta(
             rid=delta.rid,
             token_ids=delta.token_ids,
@@ -330,6 +455,16 @@ class Engine:
             usage=usage,
             error=req.error,
         )
+
+    def _busy_leak_check(self) -> None:
+        """Strict mode, after every step: used pages == the pages live requests hold
+        (``ceil_page(allocated)`` each), rows balance, lengths in order.  Fails loudly."""
+        self.metrics.leak_checks.inc()
+        try:
+            self.kv.check_integrity()
+        except AssertionError:
+            self.metrics.leak_check_failures.inc()
+            raise
 
     def _on_idle(self) -> None:
         """Idle leak check: with nothing running, every page and row must be free."""

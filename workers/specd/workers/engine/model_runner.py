@@ -45,17 +45,28 @@ class ModelRunner:
         return input_ids, positions_t, rows_t, out_cache_loc
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> RunnerOutput:
+    def run(
+        self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None = None
+    ) -> RunnerOutput:
+        """Extend/decode forward + sampling.  With ``capture_layers`` (a speculative
+        engine) the output also carries every row's hidden state and those layers'."""
         input_ids, positions, rows, out_cache_loc = self._inputs(batch)
         kv_lens = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)]
         meta = build_attention_metadata(
             self.req_pool.req_to_token, rows, list(batch.extend_lens), kv_lens
         )
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
-        hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        aux = None
+        if capture_layers is None:
+            hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
+        else:
+            hidden, aux = self.model.forward_with_aux(input_ids, positions, ctx, capture_layers)
         ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
         last = ends[torch.tensor(batch.sample, dtype=torch.bool)].to(self.device)
-        if last.numel() == 0:
-            return RunnerOutput(next_token_ids=())
-        logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab] float32
-        return RunnerOutput(tuple(sample_next_tokens(logits, batch.sampled_reqs)))
+        tokens: tuple[int, ...] = ()
+        if last.numel():
+            logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab] float32
+            tokens = tuple(sample_next_tokens(logits, batch.sampled_reqs))
+        if capture_layers is None:
+            return RunnerOutput(tokens)
+        return RunnerOutput(tokens, hidden=hidden, aux=aux)

@@ -9,7 +9,7 @@ import torch
 from specd.workers.scheduler.request import Req
 
 
-def _generator(req: Req, device: torch.device) -> torch.Generator:
+def request_generator(req: Req, device: torch.device) -> torch.Generator:
     """The request's own RNG, created once so a seed reproduces its whole output."""
     if req.sampler_state is None:
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
@@ -20,10 +20,10 @@ def _generator(req: Req, device: torch.device) -> torch.Generator:
 def filtered_probs(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
-    """[V] probabilities after temperature, top-k and top-p (nucleus) cuts."""
+    """[..., V] probabilities after temperature, top-k and top-p (nucleus) cuts."""
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
+        kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
@@ -32,7 +32,7 @@ def filtered_probs(
         drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs /= probs.sum()
+        probs /= probs.sum(-1, keepdim=True)
     return probs
 
 
@@ -46,5 +46,7 @@ def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
             out.append(greedy[i])
             continue
         probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
-        out.append(int(torch.multinomial(probs, 1, generator=_generator(req, logits.device))))
+        out.append(
+            int(torch.multinomial(probs, 1, generator=request_generator(req, logits.device)))
+        )
     return out

@@ -39,6 +39,17 @@ class RowWidthExceeded(RuntimeError):
     """An allocation would write past the end of a request row."""
 
 
+def check_row_width(needed: int, width: int) -> None:
+    """Always-on host check before writing ``req_to_token``: never past the row's end."""
+    if needed > width:
+        raise RowWidthExceeded(
+            f"KV allocation needs {needed} positions but req_to_token rows are {width} wide "
+            f"(context length + extra_context_len); the row headroom must cover the "
+            f"speculative reserve: lower spec.speculative numSteps/topk/numDraftTokens or "
+            f"spec.kvCache.pageSize, or unset SPECD_DEBUG_REVERT=row-headroom"
+        )
+
+
 class KVManager:
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator):
         self.req_pool = req_pool
@@ -64,12 +75,7 @@ class KVManager:
         """
         if new_allocated <= kv.allocated:
             return True
-        if new_allocated > self.row_width:
-            raise RowWidthExceeded(
-                f"request needs {new_allocated} KV positions but req_to_token rows are "
-                f"{self.row_width} wide (context length + headroom); lower max_tokens or "
-                f"raise spec.model.contextLength"
-            )
+        check_row_width(new_allocated, self.row_width)
         took_row = kv.row is None
         if took_row:
             kv.row = self.req_pool.alloc()

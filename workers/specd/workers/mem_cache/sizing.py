@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.workers.debug_toggles import reverted
+
 
 @dataclass(frozen=True, slots=True)
 class SpecShape:
@@ -23,6 +25,13 @@ class SpecShape:
     num_steps: int  # S
     topk: int  # k
     max_draft_tokens: int  # T, already widened for the widest adaptive rung
+
+    @classmethod
+    def from_spec(cls, speculative) -> SpecShape | None:
+        """From ``DeploymentSpec.speculative`` (None when not speculating)."""
+        if speculative is None:
+            return None
+        return cls(speculative.num_steps, speculative.topk, speculative.max_draft_tokens)
 
 
 def ceil_page(length: int, page_size: int) -> int:
@@ -45,13 +54,14 @@ def alloc_len_per_decode(spec: SpecShape | None, page_size: int) -> int:
 def alloc_reserve_per_decode(spec: SpecShape | None, page_size: int) -> int:
     """Positions kept allocated beyond committed: a double buffer for overlap scheduling
     (step N+1 is prepared before step N's accept lengths are known)."""
-    return 2 * alloc_len_per_decode(spec, page_size)
+    factor = 1 if reverted("reserve-single") else 2
+    return factor * alloc_len_per_decode(spec, page_size)
 
 
 def extra_context_len(spec: SpecShape | None, page_size: int) -> int:
     """Row headroom beyond the context length; never narrower than the reserve."""
     extra = 4 + (spec.max_draft_tokens if spec is not None else 0)
-    if spec is not None:
+    if spec is not None and not reverted("row-headroom"):
         extra = max(extra, alloc_reserve_per_decode(spec, page_size))
     return extra
 
@@ -59,6 +69,24 @@ def extra_context_len(spec: SpecShape | None, page_size: int) -> int:
 def row_width(context_length: int, spec: SpecShape | None, page_size: int) -> int:
     """Width of a ``req_to_token`` row, page aligned so whole-page frees stay in the row."""
     return ceil_page(context_length + extra_context_len(spec, page_size), page_size)
+
+
+def decode_alloc_target(
+    committed: int, allocated: int, spec: SpecShape | None, page_size: int
+) -> int:
+    """Allocated length a request needs before its next decode step (seeds 002, 004):
+    ``max(allocated, committed + reserve)``; rejected slots of earlier rounds are reused."""
+    if spec is None:
+        return max(allocated, committed + 1)
+    return max(allocated, committed + alloc_reserve_per_decode(spec, page_size))
+
+
+def admission_headroom(spec: SpecShape | None, page_size: int) -> int:
+    """KV tokens to keep free per running request when admitting new ones (its next
+    decode's growth), so admission does not force an immediate retraction."""
+    if spec is None:
+        return page_size
+    return ceil_page(alloc_reserve_per_decode(spec, page_size), page_size)
 
 
 DEFAULT_CPU_KV_TOKENS = 32768

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from specd.workers.scheduler.request import Req
 
@@ -18,6 +19,7 @@ class ScheduledBatch:
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     sample: tuple[bool, ...]
+    verify: bool = False  # a speculative decode step (draft tree + verify), not an extend
 
     @property
     def num_tokens(self) -> int:
@@ -33,3 +35,5 @@ class RunnerOutput:
     """One next token per sampled request, in ``ScheduledBatch.sampled_reqs`` order."""
 
     next_token_ids: tuple[int, ...]
+    hidden: Any = None  # [num_tokens, H] final-normed target hidden (speculative engines)
+    aux: Any = None  # {layer: [num_tokens, H]} captured residual streams (EAGLE-3)

@@ -33,6 +33,9 @@ class Req:
     num_retractions: int = 0
     sampler_state: Any = None  # per-request torch.Generator, owned by the sampler
     detok_state: Any = None  # incremental detokenizer state, owned by the engine
+    spec_state: Any = None  # the draft's state after prefill/verify (speculative engines)
+    spec_verify_steps: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -18,10 +18,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from specd.workers.engine.types import FinishReason
-from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.mem_cache.kv_manager import KVManager, RowWidthExceeded
+from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode_alloc_target
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.stop import check_stop
+from specd.workers.speculative.accounting import preclaim_bonus_slot, resolve_committed
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     context_length: int
     eos_token_ids: frozenset[int]
+    spec: SpecShape | None = None  # speculative decoding layout, None for plain decode
 
 
 class Scheduler:
@@ -39,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.failed: list[Req] = []  # finished with an error while scheduling; engine reports
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -70,10 +74,20 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's requests and token counts, allocating their KV."""
-        budget = max(self.config.chunked_prefill_size, len(self.running))
+        """Pick this step's requests and token counts, allocating their KV.
+
+        Plain decode mixes prefill chunks and decodes in one batch.  A speculative engine
+        runs prefill chunks first, then a verify step for every request that has a draft
+        state (its prompt is in the cache and its first token sampled)."""
+        if self.config.spec is None:
+            return self._schedule_extend(self.running)
+        prefilling = [r for r in self.running if r.spec_state is None]
+        return self._schedule_extend(prefilling) or self._schedule_verify()
+
+    def _schedule_extend(self, candidates: list[Req]) -> ScheduledBatch | None:
+        budget = max(self.config.chunked_prefill_size, len(candidates))
         picked: list[tuple[Req, int]] = []
-        for req in list(self.running):
+        for req in list(candidates):
             if req not in self.running:  # retracted while serving an older request
                 continue
             take = min(req.tokens_to_compute, budget)
@@ -92,6 +106,36 @@ class Scheduler:
             sample=tuple(r.kv.committed + n == r.num_fill for r, n in picked),
         )
 
+    def _schedule_verify(self) -> ScheduledBatch | None:
+        """Grow every drafting request to ``committed + reserve`` and pre-claim its root."""
+        spec, page = self.config.spec, self.kv.page_size
+        picked = []
+        for req in list(self.running):
+            if req not in self.running or req.spec_state is None:
+                continue
+            target = decode_alloc_target(req.kv.committed, req.kv.allocated, spec, page)
+            try:
+                if not self._grow_or_retract(req, target):
+                    continue
+            except RowWidthExceeded as err:
+                req.error = str(err)
+                self.finish(req, FinishReason.ERROR)
+                self.failed.append(req)
+                continue
+            picked.append(req)
+        picked = [r for r in picked if r.status is RequestStatus.RUNNING]
+        if not picked:
+            return None
+        for req in picked:
+            preclaim_bonus_slot(req.kv)
+        return ScheduledBatch(
+            reqs=tuple(picked),
+            prefix_lens=tuple(r.num_fill - 1 for r in picked),
+            extend_lens=tuple(spec.max_draft_tokens for _ in picked),
+            sample=tuple(True for _ in picked),
+            verify=True,
+        )
+
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         admitted = []
         while self.waiting and budget > 0:
@@ -99,7 +143,8 @@ class Scheduler:
                 break
             req = self.waiting[0]
             take = min(req.tokens_to_compute, budget)
-            headroom = len(self.running) * self.kv.page_size  # one page per running decode
+            # keep each running request's next decode growth free
+            headroom = len(self.running) * admission_headroom(self.config.spec, self.kv.page_size)
             if self.kv.allocator.free_tokens - headroom < take or not self.kv.grow(req.kv, take):
                 break
             self.waiting.popleft()
@@ -123,6 +168,7 @@ class Scheduler:
         """Free ``req``'s KV and requeue it first; its output so far is kept."""
         self.running.remove(req)
         self.kv.release(req.kv)
+        req.spec_state = None  # the draft KV went with it; re-prefill rebuilds it
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
@@ -142,3 +188,23 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
         return updated
+
+    def process_verify(
+        self, batch: ScheduledBatch, new_tokens: tuple[tuple[int, ...], ...]
+    ) -> list[Req]:
+        """Resolve a verify step: commit the root and accepted drafts, append the new
+        tokens one by one under the stop rules (tokens past a stop are dropped; their KV
+        stays over-allocated until the request is freed)."""
+        for req, tokens in zip(batch.reqs, new_tokens, strict=True):
+            resolve_committed(req.kv, len(tokens))
+            req.spec_verify_steps += 1
+            req.spec_accepted_tokens += len(tokens) - 1
+            for token in tokens:
+                req.output_ids.append(token)
+                reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
+                if reason is not None:
+                    req.kv.committed = min(req.kv.committed, req.num_fill - 1)
+                    self.finish(req, reason)
+                    break
+            req.kv.assert_lengths(self.kv.row_width)
+        return list(batch.reqs)

@@ -1,0 +1,308 @@
+"""One speculative decode step on tensors: draft a tree, verify it, keep the accepted path.
+
+The scheduler has already grown each request's allocation and pre-claimed the root slot;
+this module only reads and writes KV inside ``[root_pos - tail, root_pos + alloc_len)``.
+Per step, for ``bs`` requests (k = topk, S = steps, T = draft tokens)::
+
+    draft step 0      logits from the stored draft hidden             -> k nodes
+    draft steps 1..S-1  bs*k one-token forwards (prefix + ancestors)  -> k nodes each
+    build_tree        best T-1 nodes + root                           -> [bs, T]
+    verify            one target forward over bs*T tokens, tree mask
+    accept            greedy walk or tree speculative sampling; move the path's KV
+    (scheduler)       append tokens, stop rules, resolve committed
+    extend_after_verify  the draft re-reads the accepted tokens with the target's hidden
+
+Draft position ``p`` pairs token ``p + 1`` with the target hidden of position ``p``
+(``model/eagle.py``), so the draft rows of a verify's accepted path sit at the same row
+positions as the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from specd.kernels import AttentionBackend, build_attention_metadata, build_metadata_from_slots
+from specd.workers.engine.sampling import filtered_probs, request_generator
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.llama import LlamaForCausalLM
+from specd.workers.scheduler.request import Req
+from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.layout import TreeLayout
+from specd.workers.speculative.tree import (
+    DraftTree,
+    StepOut,
+    build_tree,
+    expand_step,
+    first_step,
+    tree_attention_mask_for_verify,
+)
+from specd.workers.speculative.verify import (
+    VerifyResult,
+    accepted_path_positions,
+    verify_greedy,
+    verify_sampling,
+)
+
+
+class KVWriteOutOfBounds(RuntimeError):
+    """A speculative step would write KV outside its request's allocation."""
+
+
+@dataclass(slots=True)
+class DraftState:
+    """What a request carries between steps: the draft's output at its last position."""
+
+    features: torch.Tensor  # [H] input features for the next draft step
+    logit_hidden: torch.Tensor  # [H] scores the token after the root
+
+
+@dataclass(frozen=True, slots=True)
+class SpecStepOut:
+    """Per request: tokens to append (accepted drafts, then the bonus) and the stats."""
+
+    new_tokens: tuple[tuple[int, ...], ...]
+    accept_lens: tuple[int, ...]  # accepted drafts, bonus excluded
+    path_features: tuple[torch.Tensor, ...]  # [n_i, H] target features at root + accepted
+    root_positions: tuple[int, ...]
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        head: DraftHead,
+        layout: TreeLayout,
+        num_draft_tokens: int,
+        req_pool: ReqToTokenPool,
+        target_pool: KVPool,
+        draft_pool: KVPool,
+        backend: AttentionBackend,
+        device: torch.device,
+    ):
+        self.target = target
+        self.head = head
+        self.layout = layout
+        self.num_draft_tokens = num_draft_tokens
+        self.req_pool = req_pool
+        self.target_pool = target_pool
+        self.draft_pool = draft_pool
+        self.backend = backend
+        self.device = device
+
+    # -- draft extend -------------------------------------------------------
+    @torch.inference_mode()
+    def run_draft_extend(
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        token_ids: list[list[int]],
+        features: list[torch.Tensor],
+    ) -> list[DraftState]:
+        """Draft rows for positions ``[start, start + n)`` of each request, causal over its
+        row; returns each request's state after its last row.
+
+        token_ids[i]: the tokens one position ahead (``fill_ids[p + 1]``); features[i]:
+        [n, H] target features at those positions.
+        """
+        if not reqs:
+            return []
+        lens = [len(t) for t in token_ids]
+        rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64, device=self.device)
+        positions = torch.cat(
+            [torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens, strict=True)]
+        )
+        table = self.req_pool.req_to_token
+        out_loc = table[rows.repeat_interleave(torch.tensor(lens, device=self.device)), positions]
+        kv_lens = [s + n for s, n in zip(starts, lens, strict=True)]
+        meta = build_attention_metadata(table, rows, lens, kv_lens)
+        ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
+        next_feats, logit_hidden = self.head.forward(
+            ids, torch.cat(features), positions, self._draft_ctx(meta, out_loc)
+        )
+        ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
+        return [DraftState(next_feats[e], logit_hidden[e]) for e in ends]
+
+    def extend_after_verify(self, reqs: list[Req], out: SpecStepOut, index: list[int]) -> None:
+        """Draft extend over the accepted path of the requests still running.
+
+        ``index[i]``: request ``reqs[i]``'s position in the verify batch ``out``.
+        """
+        states = self.run_draft_extend(
+            reqs,
+            [out.root_positions[i] for i in index],
+            [list(out.new_tokens[i]) for i in index],
+            [out.path_features[i] for i in index],
+        )
+        for req, state in zip(reqs, states, strict=True):
+            req.spec_state = state
+
+    def _draft_ctx(self, meta, out_loc: torch.Tensor) -> ForwardContext:
+        return ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
+
+    # -- one decode step -----------------------------------------------------
+    @torch.inference_mode()
+    def step(self, reqs: list[Req]) -> SpecStepOut:
+        roots = [r.num_fill - 1 for r in reqs]  # root position = draft prefix length
+        self._check_writes_inside_allocation(reqs, roots)
+        self._duplicate_prefix_tails(reqs, roots)
+        tree = self._draft_tree(reqs, roots)
+        hidden, aux = self._verify_forward(reqs, roots, tree)
+        logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
+        result = self._accept(reqs, tree, logits)
+        self._move_accepted_kv(reqs, roots, result)
+        features = self.head.features(hidden, aux).view(len(reqs), tree.num_tokens, -1)
+        n_new = result.num_new_tokens.tolist()
+        tokens = result.accepted_tokens.tolist()
+        index = result.accept_index.tolist()
+        return SpecStepOut(
+            new_tokens=tuple(tuple(t[:n]) for t, n in zip(tokens, n_new, strict=True)),
+            accept_lens=tuple(result.accept_len.tolist()),
+            path_features=tuple(
+                features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
+            ),
+            root_positions=tuple(roots),
+        )
+
+    def _check_writes_inside_allocation(self, reqs: list[Req], roots: list[int]) -> None:
+        """Always-on host check: every KV write of this step lands in ``[0, allocated)``
+        of its own request; past it the row holds another request's slots (seed 002)."""
+        for req, root in zip(reqs, roots, strict=True):
+            end = max(self.layout.end(root), root + self.num_draft_tokens)
+            if end > req.kv.allocated:
+                raise KVWriteOutOfBounds(
+                    f"request {req.rid}: this verify step writes row positions up to {end} "
+                    f"but only {req.kv.allocated} are allocated (committed "
+                    f"{req.kv.committed}); the per-decode reserve is too small"
+                )
+
+    def _duplicate_prefix_tails(self, reqs: list[Req], roots: list[int]) -> None:
+        """Paged tree layout: copy each prefix's tail page into branches 1..k-1 (draft KV)."""
+        src, dst = [], []
+        for req, root in zip(reqs, roots, strict=True):
+            for s, d in self.layout.prefix_tail_copies(root):
+                src.append(self._slot(req, s))
+                dst.append(self._slot(req, d))
+        if src:
+            self.draft_pool.move(torch.stack(src), torch.stack(dst))
+
+    def _slot(self, req: Req, position: int) -> torch.Tensor:
+        return self.req_pool.req_to_token[req.kv.row, position]
+
+    def _draft_tree(self, reqs: list[Req], roots: list[int]) -> DraftTree:
+        k, layout = self.layout.topk, self.layout
+        states = [r.spec_state for r in reqs]
+        root_feats = torch.stack([s.features for s in states])  # [bs, H]
+        logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
+        steps = [self._to_target(first_step(logprobs, k))]
+        feats = root_feats[:, None, :].expand(-1, k, -1)  # [bs, k, H] inputs of step 1
+        ancestors: list[list[list[int]]] = [[[] for _ in range(k)] for _ in reqs]
+        for s in range(1, layout.num_steps):
+            prev = steps[-1]
+            if s > 1:
+                feats = feats.gather(1, prev.parents[:, :, None].expand(-1, -1, feats.shape[-1]))
+            ancestors = [
+                [anc[p] + [layout.node_position(root, s, j)] for j, p in enumerate(parents)]
+                for anc, root, parents in zip(
+                    ancestors, roots, self._parents_of(prev, s), strict=True
+                )
+            ]
+            feats, logit_hidden = self._draft_step(reqs, roots, prev.tokens, feats, s, ancestors)
+            child = self.head.logprobs(logit_hidden.flatten(0, 1)).view(len(reqs), k, -1)
+            steps.append(self._to_target(expand_step(prev, child, k)))
+        root_tokens = torch.tensor([r.fill_ids[-1] for r in reqs], device=self.device)
+        return build_tree(root_tokens, steps, self.num_draft_tokens)
+
+    def _parents_of(self, step: StepOut, s: int) -> list[list[int]]:
+        """Index of each node's parent among the previous draft step's inputs (0 at s=1)."""
+        if s == 1:
+            return [[0] * step.tokens.shape[1] for _ in range(step.tokens.shape[0])]
+        return step.parents.tolist()
+
+    def _to_target(self, step: StepOut) -> StepOut:
+        return dataclasses.replace(step, tokens=self.head.to_target_ids(step.tokens))
+
+    def _draft_step(
+        self,
+        reqs: list[Req],
+        roots: list[int],
+        tokens: torch.Tensor,
+        feats: torch.Tensor,
+        s: int,
+        ancestors: list[list[list[int]]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """bs*k one-token draft forwards; node j reads its branch's prefix + its ancestors."""
+        bs, k = tokens.shape
+        table = self.req_pool.req_to_token
+        slot_lists, own = [], []
+        for req, root, anc in zip(reqs, roots, ancestors, strict=True):
+            row = table[req.kv.row]
+            for j in range(k):
+                prefix = [row[a:b] for a, b in self.layout.prefix_ranges(root, j)]
+                slot_lists.append(torch.cat([*prefix, row[anc[j]]]))
+                own.append(row[anc[j][-1]])
+        meta = build_metadata_from_slots(slot_lists, [1] * (bs * k))
+        positions = (torch.tensor(roots, device=self.device) + (s - 1)).repeat_interleave(k)
+        next_feats, logit_hidden = self.head.forward(
+            tokens.flatten(),
+            feats.flatten(0, 1),
+            positions,
+            self._draft_ctx(meta, torch.stack(own)),
+        )
+        return next_feats.view(bs, k, -1), logit_hidden.view(bs, k, -1)
+
+    def _verify_forward(
+        self, reqs: list[Req], roots: list[int], tree: DraftTree
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Target over the T nodes of every tree, written at ``[root, root + T)``."""
+        t = tree.num_tokens
+        rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64, device=self.device)
+        roots_t = torch.tensor(roots, device=self.device)
+        table = self.req_pool.req_to_token
+        offsets = torch.arange(t, device=self.device)
+        out_loc = table[rows[:, None], roots_t[:, None] + offsets[None, :]].flatten()
+        meta = build_attention_metadata(
+            table,
+            rows,
+            [t] * len(reqs),
+            [root + t for root in roots],
+            custom_mask=tree_attention_mask_for_verify(tree, roots),
+        )
+        ctx = ForwardContext(self.backend.plan(meta), out_loc, self.target_pool, self.backend)
+        positions = tree.positions(roots_t).flatten()
+        return self.target.forward_with_aux(
+            tree.tokens.flatten(), positions, ctx, self.head.capture_layers
+        )
+
+    def _accept(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        """Greedy walk when every request is greedy, else tree speculative sampling
+        (greedy requests get one-hot rows and zero coins, which is the greedy walk)."""
+        if all(r.params.greedy for r in reqs):
+            return verify_greedy(tree, logits.argmax(-1))
+        probs = torch.empty_like(logits)
+        coins = torch.zeros(len(reqs), tree.num_tokens + 1, device=self.device)
+        for b, req in enumerate(reqs):
+            p = req.params
+            if p.greedy:
+                probs[b] = torch.nn.functional.one_hot(logits[b].argmax(-1), logits.shape[-1]).to(
+                    probs.dtype
+                )
+                continue
+            probs[b] = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p)
+            gen = request_generator(req, self.device)
+            coins[b] = torch.rand(tree.num_tokens + 1, generator=gen, device=gen.device)
+        return verify_sampling(tree, probs, coins)
+
+    def _move_accepted_kv(self, reqs: list[Req], roots: list[int], result: VerifyResult) -> None:
+        """Make the accepted path's target KV contiguous at ``[root, root + accepted + 1)``."""
+        b, src, dst = accepted_path_positions(result).needed()
+        if b.numel() == 0:
+            return
+        rows = torch.tensor([r.kv.row for r in reqs], device=self.device)[b]
+        base = torch.tensor(roots, device=self.device)[b]
+        table = self.req_pool.req_to_token
+        self.target_pool.move(table[rows, base + src], table[rows, base + dst])

@@ -1,0 +1,54 @@
+"""One face over the EAGLE and EAGLE-3 draft models, so drafting code has no branches.
+
+* ``features``: target outputs -> the draft's input features (EAGLE: the final-normed
+  hidden; EAGLE-3: ``fc`` over the captured low/mid/high residual streams).
+* ``forward``: (token ids, features, positions) -> (features for the next step, hidden
+  for logits); writes the draft's KV.
+* ``logprobs`` over the draft vocabulary and ``to_target_ids`` (EAGLE-3's d2t map).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.workers.model.draft_loader import DraftConfig, DraftModel
+from specd.workers.model.eagle3 import Eagle3DraftModel
+from specd.workers.model.forward_context import ForwardContext
+
+
+class DraftHead:
+    def __init__(self, model: DraftModel, config: DraftConfig):
+        self.model = model
+        self.config = config
+        self.is_eagle3 = isinstance(model, Eagle3DraftModel)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target residual streams the draft consumes (EAGLE-3), else ()."""
+        return self.config.aux_layer_ids
+
+    def features(self, hidden: torch.Tensor, aux: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target final hidden [N, H] and captured streams -> draft input features [N, H]."""
+        if not self.is_eagle3:
+            return hidden
+        return self.model.fuse_aux_hidden([aux[i] for i in self.capture_layers])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (features for the next draft step [N, H], hidden for logits [N, H])."""
+        if self.is_eagle3:
+            return self.model(input_ids, features, positions, ctx)
+        out = self.model(input_ids, features, positions, ctx)
+        return out, out
+
+    def logprobs(self, logit_hidden: torch.Tensor) -> torch.Tensor:
+        """[M, H] -> log-probabilities over the draft vocabulary [M, V_draft] (float32)."""
+        return torch.log_softmax(self.model.compute_logits(logit_hidden), dim=-1)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.draft_to_target(ids) if self.is_eagle3 else ids

@@ -1,0 +1,245 @@
+"""Speculative decoding in the engine: lossless against plain decode and transformers,
+sampling distribution, fault toggles, metrics and KV accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from specd.workers.config import ConfigError
+from specd.workers.debug_toggles import reverted_behaviours
+from specd.workers.engine.engine import check_backend_supports_layout
+from specd.workers.engine.types import FinishReason
+from specd.workers.mem_cache.sizing import SpecShape
+from specd.workers.testing import (
+    hf_greedy,
+    metric_value,
+    random_prompts,
+    run_all,
+    start_engine,
+    wait_idle,
+)
+from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):
+    """(target folder, EAGLE draft folder, EAGLE-3 draft folder)."""
+    target = tiny_models("gqa")
+    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target)
+    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target)
+    return target, str(eagle), str(eagle3)
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """Prompts and plain-decode greedy outputs (checked against transformers once)."""
+    target = pair[0]
+    prompts = random_prompts(8, 300, seed=7)
+    engine = start_engine(target, kvCache={"pageSize": 1})
+    try:
+        outputs = [r[0] for r in run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)]
+    finally:
+        engine.shutdown()
+    assert outputs == hf_greedy(target, prompts, MAX_NEW)
+    return prompts, outputs
+
+
+def spec_engine(pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", **extra):
+    target, eagle, eagle3 = pair
+    tokens = tokens or (steps + 1 if topk == 1 else min(topk * steps + 1, 2 * steps + 2))
+    return start_engine(
+        target,
+        kvCache={"pageSize": page_size, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16},
+        draft={"path": eagle if algorithm == "EAGLE" else eagle3, "algorithm": algorithm},
+        speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
+        debug={"strictMemCheck": 1},
+        **extra,
+    )
+
+
+def run_and_check(engine, prompts, expected):
+    """Batch 1 then all prompts concurrently; exact output, healthy, KV back to 0."""
+    try:
+        single = run_all(engine, prompts[:1], max_tokens=MAX_NEW, ignore_eos=True)
+        assert single[0][0] == expected[0]
+        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
+        assert wait_idle(engine)
+        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert metric_value(engine, "specd_leak_checks_total") > 0
+        assert metric_value(engine, "specd_leak_check_failures_total") == 0
+    finally:
+        engine.shutdown()
+    assert engine.allocator.used_tokens == 0
+    engine.kv.check_integrity()
+    return results
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_greedy_is_lossless(pair, reference, page_size, topk, steps):
+    prompts, expected = reference
+    engine = spec_engine(pair, page_size, steps, topk)
+    results = run_and_check(engine, prompts, expected)
+    usage = results[0][2].usage
+    assert usage.spec_verify_steps > 0
+    assert usage.spec_verify_steps + usage.spec_accepted_tokens == MAX_NEW - 1
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_eagle3_greedy_is_lossless(pair, reference, topk):
+    prompts, expected = reference
+    run_and_check(spec_engine(pair, 4, 3, topk, algorithm="EAGLE3"), prompts, expected)
+
+
+def test_small_pool_retracts_and_stays_exact(pair, reference):
+    prompts, expected = reference
+    target, eagle, _ = pair
+    engine = start_engine(
+        target,
+        kvCache={"pageSize": 4, "maxTokens": 192},
+        scheduler={"chunkedPrefillSize": 64},
+        draft={"path": eagle},
+        speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        debug={"strictMemCheck": 1},
+    )
+    try:
+        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert metric_value(engine, "specd_retractions_total") > 0
+        assert wait_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_metrics_and_usage_count_verifies(pair, reference):
+    prompts, _ = reference
+    engine = spec_engine(pair, 1, 3, 4, tokens=8)
+    try:
+        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
+        steps = sum(r[2].usage.spec_verify_steps for r in results)
+        accepted = sum(r[2].usage.spec_accepted_tokens for r in results)
+        assert metric_value(engine, "specd_spec_verify_steps_total") == steps
+        assert metric_value(engine, "specd_spec_accepted_tokens_total") == accepted
+        assert metric_value(engine, "specd_spec_draft_tokens_total") == 7 * steps
+        assert metric_value(engine, "specd_spec_accept_length_count") == steps
+        assert metric_value(engine, "specd_spec_accept_length_sum") == accepted
+        assert wait_idle(engine)
+        assert metric_value(engine, "specd_kv_tokens_reserved") == 0
+    finally:
+        engine.shutdown()
+
+
+def first_tokens_histogram(engine, prompt, n, count=3):
+    """Counts of the first ``count`` generated tokens over ``n`` seeded samples."""
+    results = run_all(
+        engine, [prompt] * n, max_tokens=count, temperature=1.0, ignore_eos=True, seed=None
+    )
+    return [tuple(r[0]) for r in results]
+
+
+def test_sampling_matches_target_distribution(tiny_models, tmp_path):
+    """Temperature 1: the joint law of the first two tokens with speculation equals the
+    target's (chi-square on a contingency table; fails for a lossy verify)."""
+    target = tiny_models("tied")
+    # A draft that copies the target's embeddings proposes the target's likely tokens.
+    draft = make_tiny_eagle(tmp_path / "d", target)
+    prompt = [5, 17, 42]
+    plain = start_engine(target, kvCache={"pageSize": 1})
+    spec = start_engine(
+        target,
+        kvCache={"pageSize": 1},
+        draft={"path": str(draft)},
+        speculative={"numSteps": 2, "topk": 2, "numDraftTokens": 4},
+    )
+    try:
+        n = 600
+        a = first_tokens_histogram(plain, prompt, n, count=2)
+        b = first_tokens_histogram(spec, prompt, n, count=2)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+    first = sorted({t[0] for t in a + b})
+    table = torch.tensor([[sum(t[0] == x for t in s) for x in first] for s in (a, b)])
+    table = table[:, table.sum(0) >= 10]
+    assert table.shape[1] >= 3, "the target should be spread over several tokens"
+    assert chi2_contingency(table.numpy()).pvalue > 0.001
+
+
+def test_row_headroom_toggle_trips_the_row_width_check(pair, monkeypatch):
+    """Reverting the row headroom (seed 002) makes a long request hit the always-on
+    row-width check: it ends with an error naming both widths; the engine stays up."""
+    monkeypatch.setenv("SPECD_DEBUG_REVERT", "row-headroom")
+    reverted_behaviours.cache_clear()
+    try:
+        target = pair[0]
+        engine = start_engine(
+            target,
+            model={"dtype": "float32", "contextLength": 64},
+            kvCache={"pageSize": 1, "maxTokens": 4096},
+            draft={"path": pair[1]},
+            speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        )
+        try:
+            [(tokens, _, last)] = run_all(engine, [[7] * 40], max_tokens=23, ignore_eos=True)
+            assert last.finish_reason is FinishReason.ERROR
+            assert "req_to_token rows are 76 wide" in last.error
+            assert "row-headroom" in last.error
+            assert engine.status()["healthy"]
+            assert wait_idle(engine)
+        finally:
+            engine.shutdown()
+    finally:
+        monkeypatch.delenv("SPECD_DEBUG_REVERT")
+        reverted_behaviours.cache_clear()
+    engine = start_engine(
+        target,
+        model={"dtype": "float32", "contextLength": 64},
+        kvCache={"pageSize": 1, "maxTokens": 4096},
+        draft={"path": pair[1]},
+        speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+    )
+    try:
+        [(tokens, _, last)] = run_all(engine, [[7] * 40], max_tokens=23, ignore_eos=True)
+        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 23
+    finally:
+        engine.shutdown()
+
+
+def test_unknown_toggle_is_refused(monkeypatch):
+    monkeypatch.setenv("SPECD_DEBUG_REVERT", "no-such-fix")
+    reverted_behaviours.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="unknown toggle"):
+            reverted_behaviours()
+    finally:
+        monkeypatch.delenv("SPECD_DEBUG_REVERT")
+        reverted_behaviours.cache_clear()
+
+
+def test_backend_without_paged_tree_is_refused():
+    from specd.kernels.registry import BackendCapabilities, register_backend
+    from specd.kernels.torch_backend import TorchAttentionBackend
+
+    @register_backend(
+        BackendCapabilities(
+            name="test-flat-only",
+            devices=("cpu",),
+            supports_custom_mask=True,
+            supports_paged_tree=False,
+        )
+    )
+    class FlatOnly(TorchAttentionBackend):
+        pass
+
+    check_backend_supports_layout("test-flat-only", SpecShape(3, 1, 4), 16)  # chain: fine
+    check_backend_supports_layout("test-flat-only", SpecShape(3, 4, 8), 1)  # page 1: fine
+    with pytest.raises(ConfigError, match=r"test-flat-only does not support.*use one of \['torch'"):
+        check_backend_supports_layout("test-flat-only", SpecShape(3, 4, 8), 16)
