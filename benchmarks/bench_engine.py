@@ -35,8 +35,17 @@ def make_prompts(n: int, vocab: int, seed: int, lo: int = 16, hi: int = 64) -> l
 class Worker:
     """One engine in a subprocess, answering timed generation requests."""
 
-    def __init__(self, engine: str, python: str, model: str, dtype: str, max_batch: int):
-        self.name = engine
+    def __init__(
+        self,
+        engine: str,
+        python: str,
+        model: str,
+        dtype: str,
+        max_batch: int,
+        name: str | None = None,
+        spec: str | None = None,
+    ):
+        self.name = name or engine
         cmd = [
             python,
             WORKER,
@@ -48,7 +57,7 @@ class Worker:
             dtype,
             "--max-batch",
             str(max_batch),
-        ]
+        ] + (["--spec", spec] if spec else [])
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )

