@@ -48,13 +48,15 @@ def reference(pair):
     return prompts, outputs
 
 
-def spec_engine(pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", **extra):
+def spec_engine(
+    pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", overlap=False, **extra
+):
     target, eagle, eagle3 = pair
     tokens = tokens or (steps + 1 if topk == 1 else min(topk * steps + 1, 2 * steps + 2))
     return start_engine(
         target,
         kvCache={"pageSize": page_size, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 16},
+        scheduler={"chunkedPrefillSize": 16, "overlap": overlap},
         draft={"path": eagle if algorithm == "EAGLE" else eagle3, "algorithm": algorithm},
         speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
         debug={"strictMemCheck": 1},
@@ -81,22 +83,25 @@ def run_and_check(engine, prompts, expected):
     return results
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("topk", [1, 4])
 @pytest.mark.parametrize("steps", [1, 3, 5])
-def test_greedy_is_lossless(pair, reference, page_size, topk, steps):
+def test_greedy_is_lossless(pair, reference, page_size, topk, steps, overlap):
     prompts, expected = reference
-    engine = spec_engine(pair, page_size, steps, topk)
+    engine = spec_engine(pair, page_size, steps, topk, overlap=overlap)
     results = run_and_check(engine, prompts, expected)
     usage = results[0][2].usage
     assert usage.spec_verify_steps > 0
     assert usage.spec_verify_steps + usage.spec_accepted_tokens == MAX_NEW - 1
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("topk", [1, 4])
-def test_eagle3_greedy_is_lossless(pair, reference, topk):
+def test_eagle3_greedy_is_lossless(pair, reference, topk, overlap):
     prompts, expected = reference
-    run_and_check(spec_engine(pair, 4, 3, topk, algorithm="EAGLE3"), prompts, expected)
+    engine = spec_engine(pair, 4, 3, topk, algorithm="EAGLE3", overlap=overlap)
+    run_and_check(engine, prompts, expected)
 
 
 def test_small_pool_retracts_and_stays_exact(pair, reference):

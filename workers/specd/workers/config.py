@@ -228,9 +228,10 @@ def refuse_unsupported(spec: DeploymentSpec) -> None:
         raise ConfigError(
             "spec.sessions.enabled: streaming sessions are not yet supported; set it to false"
         )
-    if spec.scheduler.overlap:
+    if spec.scheduler.overlap and spec.speculative is None:
         raise ConfigError(
-            "spec.scheduler.overlap: overlap scheduling is not yet supported; set it to false"
+            "spec.scheduler.overlap: overlap scheduling applies to speculative decoding "
+            "(set spec.draft and spec.speculative); set it to false for plain decode"
         )
 
 

@@ -16,8 +16,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,6 +79,35 @@ def pick_device(spec: DeploymentSpec) -> str:
     return "cuda" if spec.resources.gpus > 0 and torch.cuda.is_available() else "cpu"
 
 
+class _Compute:
+    """Where torch work runs: inline on the loop thread, or (overlap scheduling) on one
+    worker thread, in submission order, while the loop thread prepares the next step.
+
+    Loading runs here too, so one thread owns every large torch op: CPU torch keeps an
+    OpenMP team per calling thread, and two teams halve matmul speed on small machines.
+    """
+
+    def __init__(self, threaded: bool, name: str):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name) if threaded else None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as err:
+            done.set_exception(err)
+        return done
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.submit(fn, *args).result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
 @dataclass(slots=True)
 class _Stream:
     """Where a request's deltas go: an asyncio queue on the caller's loop."""
@@ -104,6 +135,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._status: dict = {}
         self.step_seconds = {"host": 0.0, "model": 0.0}  # loop time outside / inside the model
+        self.overlap = spec.scheduler.overlap
+        self._compute = _Compute(self.overlap, f"specd-compute-{replica}")
+        self._pending: tuple[ScheduledBatch, Future] | None = None  # verify in flight
         self.strict_mem_check = spec.debug.strict_mem_check >= 1 or bool(
             int(os.environ.get("SPECD_STRICT_MEM_CHECK", "0") or 0)
         )
@@ -129,8 +163,9 @@ class Engine:
 
     def _run(self, ready: queue.SimpleQueue) -> None:
         try:
-            self._load()
+            self._compute.run(self._load)
         except BaseException as err:  # handed to start()'s caller
+            self._compute.shutdown()
             ready.put(err)
             return
         ready.put(None)
@@ -166,6 +201,8 @@ class Engine:
             ),
             self.kv,
         )
+        if self.spec_decoder is not None:
+            self.scheduler.on_release = self._forget_draft_state
         self._refresh_status()
 
     def _build_memory(self) -> None:
@@ -309,7 +346,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if not self.scheduler.has_work():
+                if not self.scheduler.has_work() and self._pending is None:
                     self._refresh_status()
                     self._on_idle()
                     self._wake.wait(_IDLE_WAIT_S)
@@ -322,28 +359,18 @@ class Engine:
             self.last_error = f"{type(err).__name__}: {err}"
             self.metrics.engine_healthy.set(0)
         finally:
+            self._settle_pending()
             self._abort_all()
+            self._compute.shutdown()
 
     def step(self) -> None:
-        """Schedule, run and account one batch."""
+        """Schedule, run and account one batch (under overlap: launch the next verify
+        before processing the one in flight)."""
         t0 = time.perf_counter()
         retractions_before = self.scheduler.num_retractions
-        batch = self.scheduler.schedule()
+        run = self._overlapped_step if self._pending is not None else self._synchronous_step
+        model_s = run()
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
-        for req in self.scheduler.failed:
-            self._emit(req)
-        self.scheduler.failed.clear()
-        model_s = 0.0
-        if batch is not None:
-            kind = "verify" if batch.verify else "decode"
-            if not batch.verify and any(n != 1 for n in batch.extend_lens):
-                kind = "extend"
-            self.metrics.steps.labels(self.replica, kind).inc()
-            t1 = time.perf_counter()
-            updated = self._run_verify(batch) if batch.verify else self._run_extend(batch)
-            model_s = time.perf_counter() - t1
-            for req in updated:
-                self._emit(req)
         if self.strict_mem_check:
             self._busy_leak_check()
         self._refresh_status()
@@ -352,44 +379,121 @@ class Engine:
             self.step_seconds[phase] += seconds
             self.metrics.step_seconds.labels(self.replica, phase).inc(seconds)
 
-    def _run_extend(self, batch: ScheduledBatch) -> list[Req]:
-        """A prefill/decode batch; a speculative engine then runs the draft over it."""
+    def _synchronous_step(self) -> float:
+        """One batch start to finish; a verify under overlap is only launched.  Returns
+        the seconds spent waiting for the model."""
+        batch = self.scheduler.schedule()
+        self._emit_failed()
+        if batch is None:
+            return 0.0
+        self._count_step(batch)
+        t1 = time.perf_counter()
+        if batch.verify:
+            future = self._compute.submit(self.spec_decoder.step, list(batch.reqs))
+            if self.overlap:
+                self._pending = (batch, future)
+                return time.perf_counter() - t1
+            out = future.result()
+            model_s = time.perf_counter() - t1
+            self._process_verify(batch, out)
+            return model_s
+        result = self._compute.run(self._extend_compute, batch)
+        model_s = time.perf_counter() - t1
+        for req in self._process_extend(batch, result):
+            self._emit(req)
+        return model_s
+
+    def _overlapped_step(self) -> float:
+        """Launch verify N+1 (committed lengths lag by verify N), then process N.
+        Prefill chunks and retractions need the pipeline drained: then N+1 waits."""
+        batch, future = self._pending
+        nxt = None
+        if not self.scheduler.wants_extend():
+            nxt = self.scheduler.schedule_verify(allow_retract=False)
+            self._emit_failed()
+        self._pending = None
+        if nxt is not None:
+            self._count_step(nxt)
+            self._pending = (nxt, self._compute.submit(self.spec_decoder.step, list(nxt.reqs)))
+        t1 = time.perf_counter()
+        out = future.result()
+        model_s = time.perf_counter() - t1
+        self._process_verify(batch, out)
+        return model_s
+
+    def _settle_pending(self) -> None:
+        """Shutdown or failure: let the verify in flight finish and account it, so its
+        requests' KV can be freed."""
+        if self._pending is None:
+            return
+        batch, future = self._pending
+        self._pending = None
+        try:
+            self._process_verify(batch, future.result())
+        except Exception:  # the loop is ending anyway; the KV is still freed below
+            log.exception("engine %s: verify in flight failed at shutdown", self.replica)
+            for req in batch.reqs:
+                req.inflight_steps = 0
+                req.release_deferred = False
+
+    def _count_step(self, batch: ScheduledBatch) -> None:
+        kind = "verify" if batch.verify else "decode"
+        if not batch.verify and any(n != 1 for n in batch.extend_lens):
+            kind = "extend"
+        self.metrics.steps.labels(self.replica, kind).inc()
+
+    def _emit_failed(self) -> None:
+        for req in self.scheduler.failed:
+            self._emit(req)
+        self.scheduler.failed.clear()
+
+    def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Compute side of a prefill/decode batch; a speculative engine then runs the
+        draft over the same positions."""
         capture = self.draft_head.capture_layers if self.draft_head is not None else None
         result = self.runner.run(batch, capture)
-        updated = self.scheduler.process_result(batch, result)
         if self.spec_decoder is not None:
             self._draft_after_extend(batch, result)
+        return result
+
+    def _process_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> list[Req]:
+        updated = self.scheduler.process_result(batch, result)
+        if self.spec_decoder is not None:
+            for req, sampled in zip(batch.reqs, batch.sample, strict=True):
+                req.spec_ready = req.spec_ready or (sampled and not req.finished)
         return updated
 
     def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         """Draft rows for the positions the target just filled (token ``p + 1`` with the
-        target's hidden at ``p``); a request whose prompt is now complete gets its state."""
+        target's hidden at ``p``; the last one of a finished prompt is the sampled token)."""
         features = self.draft_head.features(result.hidden, result.aux)
-        reqs, starts, tokens, feats, sampled = [], [], [], [], []
+        sampled = iter(result.next_token_ids)
+        starts, tokens, feats = [], [], []
         q0 = 0
         for req, start, n, done in zip(
             batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True
         ):
-            if not req.finished:
-                reqs.append(req)
-                starts.append(start)
-                tokens.append(req.fill_ids[start + 1 : start + n + 1])
-                feats.append(features[q0 : q0 + n])
-                sampled.append(done)
+            ahead = req.fill_ids[start + 1 : start + n + 1]
+            tokens.append(ahead + [next(sampled)] if done else ahead)
+            starts.append(start)
+            feats.append(features[q0 : q0 + n])
             q0 += n
-        states = self.spec_decoder.run_draft_extend(reqs, starts, tokens, feats)
-        for req, state, done in zip(reqs, states, sampled, strict=True):
-            if done:
-                req.spec_state = state
+        self.spec_decoder.after_extend(list(batch.reqs), starts, tokens, feats, list(batch.sample))
 
-    def _run_verify(self, batch: ScheduledBatch) -> list[Req]:
-        """Draft a tree, verify it, resolve tokens, and let the draft read what was kept."""
-        out = self.spec_decoder.step(list(batch.reqs))
+    def _process_verify(self, batch: ScheduledBatch, out) -> None:
+        """Host side of a verify: resolve, stop rules, metrics, emit."""
         updated = self.scheduler.process_verify(batch, out.new_tokens)
-        self.metrics.observe_verify(out.accept_lens, self.spec_shape.max_draft_tokens - 1)
-        alive = [i for i, r in enumerate(batch.reqs) if not r.finished]
-        self.spec_decoder.extend_after_verify([batch.reqs[i] for i in alive], out, alive)
-        return updated
+        live = {id(r) for r in updated}
+        accepted = tuple(
+            n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live
+        )
+        self.metrics.observe_verify(accepted, self.spec_shape.max_draft_tokens - 1)
+        for req in updated:
+            self._emit(req)
+
+    def _forget_draft_state(self, req: Req) -> None:
+        """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
+        self._compute.submit(self.spec_decoder.drop, [req.rid])
 
     def _drain_inbox(self) -> None:
         while True:

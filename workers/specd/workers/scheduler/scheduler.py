@@ -15,6 +15,7 @@ The scheduler only does bookkeeping; it never builds tensors for the model.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specd.workers.engine.types import FinishReason
@@ -23,7 +24,11 @@ from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.stop import check_stop
-from specd.workers.speculative.accounting import preclaim_bonus_slot, resolve_committed
+from specd.workers.speculative.accounting import (
+    preclaim_bonus_slot,
+    resolve_committed,
+    return_preclaimed_slot,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_retractions = 0
         self.failed: list[Req] = []  # finished with an error while scheduling; engine reports
+        self.on_release: Callable[[Req], None] | None = None  # KV of ``req`` was freed
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -68,9 +74,19 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.release(req.kv)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if req.inflight_steps:  # a launched step still writes its KV: free after it
+            req.release_deferred = True
+        else:
+            self._release(req)
+
+    def _release(self, req: Req) -> None:
+        self.kv.release(req.kv)
+        req.spec_ready = False
+        req.release_deferred = False
+        if self.on_release is not None:
+            self.on_release(req)
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -81,8 +97,12 @@ class Scheduler:
         state (its prompt is in the cache and its first token sampled)."""
         if self.config.spec is None:
             return self._schedule_extend(self.running)
-        prefilling = [r for r in self.running if r.spec_state is None]
-        return self._schedule_extend(prefilling) or self._schedule_verify()
+        prefilling = [r for r in self.running if not r.spec_ready]
+        return self._schedule_extend(prefilling) or self.schedule_verify()
+
+    def wants_extend(self) -> bool:
+        """A prefill chunk is due (a speculative engine runs those before verifies)."""
+        return bool(self.waiting) or any(not r.spec_ready for r in self.running)
 
     def _schedule_extend(self, candidates: list[Req]) -> ScheduledBatch | None:
         budget = max(self.config.chunked_prefill_size, len(candidates))
@@ -106,16 +126,24 @@ class Scheduler:
             sample=tuple(r.kv.committed + n == r.num_fill for r, n in picked),
         )
 
-    def _schedule_verify(self) -> ScheduledBatch | None:
-        """Grow every drafting request to ``committed + reserve`` and pre-claim its root."""
+    def schedule_verify(self, allow_retract: bool = True) -> ScheduledBatch | None:
+        """Grow every drafting request to ``committed + reserve`` and pre-claim its root.
+
+        Under overlap this runs before the previous verify's results are in, so committed
+        lags by up to one verify; the 2x reserve covers that.  ``allow_retract=False``
+        (overlap) gives up, returning None, instead of retracting a request in flight.
+        """
         spec, page = self.config.spec, self.kv.page_size
         picked = []
         for req in list(self.running):
-            if req not in self.running or req.spec_state is None:
+            if req not in self.running or not req.spec_ready:
                 continue
             target = decode_alloc_target(req.kv.committed, req.kv.allocated, spec, page)
             try:
-                if not self._grow_or_retract(req, target):
+                if not allow_retract:
+                    if not self.kv.grow(req.kv, target):
+                        return None
+                elif not self._grow_or_retract(req, target):
                     continue
             except RowWidthExceeded as err:
                 req.error = str(err)
@@ -128,6 +156,7 @@ class Scheduler:
             return None
         for req in picked:
             preclaim_bonus_slot(req.kv)
+            req.inflight_steps += 1
         return ScheduledBatch(
             reqs=tuple(picked),
             prefix_lens=tuple(r.num_fill - 1 for r in picked),
@@ -166,9 +195,10 @@ class Scheduler:
 
     def retract(self, req: Req) -> None:
         """Free ``req``'s KV and requeue it first; its output so far is kept."""
+        if req.inflight_steps:
+            raise RuntimeError(f"request {req.rid} retracted while a step is in flight")
         self.running.remove(req)
-        self.kv.release(req.kv)
-        req.spec_state = None  # the draft KV went with it; re-prefill rebuilds it
+        self._release(req)  # the draft state goes too; re-prefill rebuilds it
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
@@ -195,16 +225,25 @@ class Scheduler:
         """Resolve a verify step: commit the root and accepted drafts, append the new
         tokens one by one under the stop rules (tokens past a stop are dropped; their KV
         stays over-allocated until the request is freed)."""
+        updated = []
         for req, tokens in zip(batch.reqs, new_tokens, strict=True):
+            req.inflight_steps -= 1
+            if req.finished:  # finished while this step was in flight: drop its result
+                return_preclaimed_slot(req.kv)
+                if req.release_deferred and not req.inflight_steps:
+                    self._release(req)
+                continue
+            updated.append(req)
             resolve_committed(req.kv, len(tokens))
             req.spec_verify_steps += 1
             req.spec_accepted_tokens += len(tokens) - 1
             for token in tokens:
                 req.output_ids.append(token)
                 reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
-                if reason is not None:
-                    req.kv.committed = min(req.kv.committed, req.num_fill - 1)
+                if reason is not None:  # tokens past the stop are dropped, so is their KV
+                    pending_preclaims = req.inflight_steps
+                    req.kv.committed = min(req.kv.committed, req.num_fill - 1 + pending_preclaims)
                     self.finish(req, reason)
                     break
             req.kv.assert_lengths(self.kv.row_width)
-        return list(batch.reqs)
+        return updated

@@ -27,3 +27,10 @@ def resolve_committed(kv: RequestKV, num_new_tokens: int) -> None:
     the pre-claimed root slot is already counted, so ``num_new_tokens - 1`` is added.
     """
     kv.committed += num_new_tokens if reverted("bonus-preclaim") else num_new_tokens - 1
+
+
+def return_preclaimed_slot(kv: RequestKV) -> None:
+    """A request finished before this step's result was used: its root slot was claimed
+    for nothing (seed 004: keeps a finished request's committed length exact)."""
+    if not reverted("bonus-preclaim"):
+        kv.committed -= 1

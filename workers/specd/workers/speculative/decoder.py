@@ -9,8 +9,8 @@ Per step, for ``bs`` requests (k = topk, S = steps, T = draft tokens)::
     build_tree        best T-1 nodes + root                           -> [bs, T]
     verify            one target forward over bs*T tokens, tree mask
     accept            greedy walk or tree speculative sampling; move the path's KV
-    (scheduler)       append tokens, stop rules, resolve committed
-    extend_after_verify  the draft re-reads the accepted tokens with the target's hidden
+    draft extend      the draft re-reads the accepted tokens with the target's hidden
+    (scheduler)       append tokens, stop rules, resolve committed (maybe a step later)
 
 Draft position ``p`` pairs token ``p + 1`` with the target hidden of position ``p``
 (``model/eagle.py``), so the draft rows of a verify's accepted path sit at the same row
@@ -53,10 +53,13 @@ class KVWriteOutOfBounds(RuntimeError):
     """A speculative step would write KV outside its request's allocation."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class DraftState:
-    """What a request carries between steps: the draft's output at its last position."""
+    """A request's drafting state between steps, kept on the compute side (the host may
+    lag a step behind under overlap): the root and the draft's output before it."""
 
+    root_position: int  # the root (last bonus token) sits here; its KV is not written yet
+    root_token: int
     features: torch.Tensor  # [H] input features for the next draft step
     logit_hidden: torch.Tensor  # [H] scores the token after the root
 
@@ -67,8 +70,6 @@ class SpecStepOut:
 
     new_tokens: tuple[tuple[int, ...], ...]
     accept_lens: tuple[int, ...]  # accepted drafts, bonus excluded
-    path_features: tuple[torch.Tensor, ...]  # [n_i, H] target features at root + accepted
-    root_positions: tuple[int, ...]
 
 
 class SpecDecoder:
@@ -93,18 +94,41 @@ class SpecDecoder:
         self.draft_pool = draft_pool
         self.backend = backend
         self.device = device
+        self.states: dict[str, DraftState] = {}  # rid -> state; compute side only
+
+    def drop(self, rids: list[str]) -> None:
+        """Forget requests that were finished or retracted."""
+        for rid in rids:
+            self.states.pop(rid, None)
 
     # -- draft extend -------------------------------------------------------
     @torch.inference_mode()
-    def run_draft_extend(
+    def after_extend(
         self,
         reqs: list[Req],
         starts: list[int],
         token_ids: list[list[int]],
         features: list[torch.Tensor],
-    ) -> list[DraftState]:
+        complete: list[bool],
+    ) -> None:
+        """Draft rows for the positions a target extend just filled; a request whose
+        prompt is now complete (``complete``) starts drafting from its sampled token."""
+        outputs = self._draft_extend(reqs, starts, token_ids, features)
+        for req, start, ids, done, (feats, hidden) in zip(
+            reqs, starts, token_ids, complete, outputs, strict=True
+        ):
+            if done:
+                self.states[req.rid] = DraftState(start + len(ids), ids[-1], feats, hidden)
+
+    def _draft_extend(
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        token_ids: list[list[int]],
+        features: list[torch.Tensor],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Draft rows for positions ``[start, start + n)`` of each request, causal over its
-        row; returns each request's state after its last row.
+        row -> per request, the draft's (features, logit hidden) at its last row.
 
         token_ids[i]: the tokens one position ahead (``fill_ids[p + 1]``); features[i]:
         [n, H] target features at those positions.
@@ -125,21 +149,7 @@ class SpecDecoder:
             ids, torch.cat(features), positions, self._draft_ctx(meta, out_loc)
         )
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
-        return [DraftState(next_feats[e], logit_hidden[e]) for e in ends]
-
-    def extend_after_verify(self, reqs: list[Req], out: SpecStepOut, index: list[int]) -> None:
-        """Draft extend over the accepted path of the requests still running.
-
-        ``index[i]``: request ``reqs[i]``'s position in the verify batch ``out``.
-        """
-        states = self.run_draft_extend(
-            reqs,
-            [out.root_positions[i] for i in index],
-            [list(out.new_tokens[i]) for i in index],
-            [out.path_features[i] for i in index],
-        )
-        for req, state in zip(reqs, states, strict=True):
-            req.spec_state = state
+        return [(next_feats[e], logit_hidden[e]) for e in ends]
 
     def _draft_ctx(self, meta, out_loc: torch.Tensor) -> ForwardContext:
         return ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
@@ -147,25 +157,30 @@ class SpecDecoder:
     # -- one decode step -----------------------------------------------------
     @torch.inference_mode()
     def step(self, reqs: list[Req]) -> SpecStepOut:
-        roots = [r.num_fill - 1 for r in reqs]  # root position = draft prefix length
+        """Draft, verify and accept for ``reqs``; the draft then reads the accepted path,
+        so the next step can start from the new states without the host."""
+        states = [self.states[r.rid] for r in reqs]
+        roots = [s.root_position for s in states]
         self._check_writes_inside_allocation(reqs, roots)
         self._duplicate_prefix_tails(reqs, roots)
-        tree = self._draft_tree(reqs, roots)
+        tree = self._draft_tree(reqs, states)
         hidden, aux = self._verify_forward(reqs, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
         result = self._accept(reqs, tree, logits)
         self._move_accepted_kv(reqs, roots, result)
         features = self.head.features(hidden, aux).view(len(reqs), tree.num_tokens, -1)
         n_new = result.num_new_tokens.tolist()
-        tokens = result.accepted_tokens.tolist()
+        tokens = [t[:n] for t, n in zip(result.accepted_tokens.tolist(), n_new, strict=True)]
         index = result.accept_index.tolist()
+        path_features = [
+            features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
+        ]
+        outputs = self._draft_extend(reqs, roots, tokens, path_features)
+        for req, root, toks, (feats, hidden_) in zip(reqs, roots, tokens, outputs, strict=True):
+            self.states[req.rid] = DraftState(root + len(toks), toks[-1], feats, hidden_)
         return SpecStepOut(
-            new_tokens=tuple(tuple(t[:n]) for t, n in zip(tokens, n_new, strict=True)),
+            new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(result.accept_len.tolist()),
-            path_features=tuple(
-                features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
-            ),
-            root_positions=tuple(roots),
         )
 
     def _check_writes_inside_allocation(self, reqs: list[Req], roots: list[int]) -> None:
@@ -193,9 +208,9 @@ class SpecDecoder:
     def _slot(self, req: Req, position: int) -> torch.Tensor:
         return self.req_pool.req_to_token[req.kv.row, position]
 
-    def _draft_tree(self, reqs: list[Req], roots: list[int]) -> DraftTree:
+    def _draft_tree(self, reqs: list[Req], states: list[DraftState]) -> DraftTree:
         k, layout = self.layout.topk, self.layout
-        states = [r.spec_state for r in reqs]
+        roots = [s.root_position for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
         logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
         steps = [self._to_target(first_step(logprobs, k))]
@@ -214,7 +229,7 @@ class SpecDecoder:
             feats, logit_hidden = self._draft_step(reqs, roots, prev.tokens, feats, s, ancestors)
             child = self.head.logprobs(logit_hidden.flatten(0, 1)).view(len(reqs), k, -1)
             steps.append(self._to_target(expand_step(prev, child, k)))
-        root_tokens = torch.tensor([r.fill_ids[-1] for r in reqs], device=self.device)
+        root_tokens = torch.tensor([s.root_token for s in states], device=self.device)
         return build_tree(root_tokens, steps, self.num_draft_tokens)
 
     def _parents_of(self, step: StepOut, s: int) -> list[list[int]]:

@@ -28,7 +28,8 @@ import platform
 import random
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -202,34 +203,50 @@ def model_summary(config: LlamaConfig) -> dict:
     return summary
 
 
-def reproduce_command(args: TrainArgs, steps_done: int) -> str:
-    """CLI that replays this run's steps without the wall-clock cap."""
+def reproduce_command(
+    args, steps_done: int, script: str = "python -m specd.workers.tools.train_demo"
+) -> str:
+    """CLI that replays this run's steps without the wall-clock cap.  ``args`` is a
+    run-arguments dataclass with ``steps``, ``stop_after`` and ``minutes`` fields;
+    its required fields lead, then every field that differs from its default."""
     replay = {**asdict(args), "minutes": 0.0, "stop_after": 0}
     if steps_done < args.steps:
         replay["stop_after"] = steps_done
-    defaults = asdict(TrainArgs(out=args.out))
-    flags = [f"--{k.replace('_', '-')} {v}" for k, v in replay.items() if v != defaults[k]]
-    return " ".join(["python -m specd.workers.tools.train_demo --out", args.out, *flags])
+    required = {f.name: replay.pop(f.name) for f in fields(args) if f.default is MISSING}
+    defaults = asdict(type(args)(**required))
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in required.items()]
+    flags += [f"--{k.replace('_', '-')} {v}" for k, v in replay.items() if v != defaults[k]]
+    return " ".join([script, *flags])
 
 
-def save(model, tokenizer, out: Path, manifest: dict) -> dict:
-    """bf16 safetensors + tokenizer + manifest with file hashes, written to a scratch
-    folder first and then moved in file by file, so a crash mid-write leaves the
-    previous checkpoint readable."""
+def publish(out: Path, write: Callable[[Path], dict | None], manifest: dict) -> dict:
+    """``write(scratch)`` fills a scratch folder next to ``out`` (and may return extra
+    manifest fields); the manifest gets every file's sha256 and the files are moved in
+    one by one, manifest last, so a crash mid-write leaves the previous checkpoint
+    readable.  Returns the manifest written."""
     out.mkdir(parents=True, exist_ok=True)
     with TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
         scratch = Path(tmp)
+        extra = write(scratch) or {}
+        files = sorted(p for p in scratch.iterdir() if p.is_file())
+        manifest = {**manifest, **extra, "files": {p.name: sha256_file(p) for p in files}}
+        (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for p in [*files, scratch / "manifest.json"]:  # manifest last: it vouches for the rest
+            os.replace(p, out / p.name)
+    return manifest
+
+
+def save(model, tokenizer, out: Path, manifest: dict) -> dict:
+    """bf16 safetensors + tokenizer + manifest with file hashes, written atomically."""
+
+    def write(scratch: Path) -> None:
         bf16 = LlamaForCausalLM(model.config).to(torch.bfloat16)
         bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
         bf16.config.dtype = "bfloat16"
         bf16.save_pretrained(scratch, safe_serialization=True)
         tokenizer.save_pretrained(scratch)
-        files = sorted(p for p in scratch.iterdir() if p.is_file())
-        manifest = {**manifest, "files": {p.name: sha256_file(p) for p in files}}
-        (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        for p in [*files, scratch / "manifest.json"]:  # manifest last: it vouches for the rest
-            os.replace(p, out / p.name)
-    return manifest
+
+    return publish(out, write, manifest)
 
 
 def train(args: TrainArgs, log=print) -> dict:
@@ -346,17 +363,24 @@ def train(args: TrainArgs, log=print) -> dict:
     return result
 
 
+def parse_cli(cls, argv: list[str] | None, description: str):
+    """One ``--flag`` per field of the dataclass ``cls``; fields without a default are
+    required strings.  Returns a ``cls``."""
+    ap = argparse.ArgumentParser(description=description)
+    for f in fields(cls):
+        required = f.default is MISSING
+        ap.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=str if required else type(f.default),
+            default=None if required else f.default,
+            required=required,
+        )
+    return cls(**vars(ap.parse_args(argv)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """CLI: one ``--flag`` per :class:`TrainArgs` field."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in asdict(TrainArgs(out="")).items():
-        ap.add_argument(
-            "--" + name.replace("_", "-"),
-            type=type(default) if name != "out" else str,
-            default=default,
-            required=name == "out",
-        )
-    train(TrainArgs(**vars(ap.parse_args(argv))))
+    train(parse_cli(TrainArgs, argv, __doc__.splitlines()[0]))
 
 
 if __name__ == "__main__":
