@@ -137,6 +137,13 @@ def test_metrics_and_usage_count_verifies(pair, reference):
         assert metric_value(engine, "specd_spec_accept_length_count") == steps
         assert metric_value(engine, "specd_spec_accept_length_sum") == accepted
         assert wait_idle(engine)
+        status = engine.status()
+        assert status["speculation"] == {
+            "verify_steps": steps,
+            "draft_tokens": 7 * steps,
+            "accepted_tokens": accepted,
+        }
+        assert status["kv_reserved_tokens"] == 0 and status["leak_check_failures"] == 0
         assert metric_value(engine, "specd_kv_tokens_reserved") == 0
     finally:
         engine.shutdown()
