@@ -29,6 +29,7 @@ from specd.workers.config import spec_for_model
 from specd.workers.gateway import Gateway
 from specd.workers.pool import PoolController
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+from specd.workers.tools.tiny_draft import make_tiny_eagle
 
 MODEL = "tiny"
 CONTEXT = 2048  # long enough for streams that outlive an actor kill
@@ -60,10 +61,14 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 
 
 def test_serve_cli_smoke(model_dir, tmp_path):
+    """`specd serve` of a speculative deployment (tiny EAGLE tree, overlap on)."""
+    draft = make_tiny_eagle(tmp_path / "draft", model_dir)
     spec_file = tmp_path / "tiny.yaml"
     spec_file.write_text(
         "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: smoke}\n"
         f"spec:\n  model: {{path: {model_dir}, name: {MODEL}}}\n  replicas: 1\n  resources: {{cpu: 0.5}}\n"
+        f"  draft: {{path: {draft}}}\n  speculative: {{numSteps: 2, topk: 2, numDraftTokens: 4}}\n"
+        "  kvCache: {pageSize: 4}\n  scheduler: {overlap: true}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = _source_roots()
@@ -89,7 +94,11 @@ def test_serve_cli_smoke(model_dir, tmp_path):
             f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hello", **GREEDY}, timeout=30
         )
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == GREEDY["max_tokens"]
+        assert (
+            usage["spec_verify_steps"] + usage["spec_accepted_tokens"] == GREEDY["max_tokens"] - 1
+        )
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == [MODEL]
         text = client.completions.create(model=MODEL, prompt="Hello", **GREEDY).choices[0].text
