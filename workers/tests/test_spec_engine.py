@@ -3,9 +3,13 @@ sampling distribution, fault toggles, metrics and KV accounting."""
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
+from tokenizers import Tokenizer
 
 from specd.workers.config import ConfigError
 from specd.workers.debug_toggles import reverted_behaviours
@@ -255,3 +259,93 @@ def test_backend_without_paged_tree_is_refused():
     check_backend_supports_layout("test-flat-only", SpecShape(3, 4, 8), 1)  # page 1: fine
     with pytest.raises(ConfigError, match=r"test-flat-only does not support.*use one of \['torch'"):
         check_backend_supports_layout("test-flat-only", SpecShape(3, 4, 8), 16)
+
+
+# -- the shipped demo pair: real acceptance, so the seeds' bugs show ------------------
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "models"
+
+
+def demo_prompts(n=4, length=48):
+    """Python source like the demo's training text (the draft accepts a lot on it)."""
+    import json as json_module
+
+    tok = Tokenizer.from_file(str(DEMO / "demo-target" / "tokenizer.json"))
+    ids = tok.encode(inspect.getsource(json_module.decoder)).ids
+    return [ids[i * 97 : i * 97 + length] for i in range(n)]
+
+
+def demo_engine(**spec):
+    return start_engine(
+        str(DEMO / "demo-target"),
+        draft={"path": str(DEMO / "demo-eagle")},
+        **spec,
+    )
+
+
+def demo_run(engine, prompts, new_tokens=40):
+    try:
+        return run_all(engine, prompts, max_tokens=new_tokens, ignore_eos=True)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo_reference():
+    prompts = demo_prompts()
+    plain = start_engine(str(DEMO / "demo-target"))
+    return prompts, [r[0] for r in demo_run(plain, prompts)]
+
+
+def with_toggle(monkeypatch, name):
+    monkeypatch.setenv("SPECD_DEBUG_REVERT", name)
+    reverted_behaviours.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _reset_toggles():
+    yield
+    reverted_behaviours.cache_clear()
+
+
+def test_reserve_single_toggle_trips_the_write_bounds_check(demo_reference, monkeypatch):
+    """Without the 2x reserve, overlap lets verify N+1 (allocated from committed lengths
+    one verify behind) write past its allocation: the always-on check stops the engine
+    loudly and in-flight requests end with an error instead of corrupting another
+    request's KV.  With the reserve the same run is exact."""
+    prompts, expected = demo_reference
+    spec = dict(
+        kvCache={"pageSize": 1},
+        scheduler={"overlap": True},
+        speculative={"numSteps": 5, "topk": 1, "numDraftTokens": 6},
+    )
+    good = demo_run(demo_engine(**spec), prompts)
+    assert [r[0] for r in good] == expected
+    assert sum(r[2].usage.spec_accepted_tokens for r in good) > 0
+    with_toggle(monkeypatch, "reserve-single")
+    engine = demo_engine(**spec)
+    results = demo_run(engine, prompts)
+    assert not engine.healthy
+    assert "KVWriteOutOfBounds" in engine.last_error
+    assert "are allocated for it" in engine.last_error
+    assert any(r[2].finish_reason is FinishReason.ERROR for r in results)
+
+
+def per_request_acceptance(results):
+    return [(r[2].usage.spec_verify_steps, r[2].usage.spec_accepted_tokens) for r in results]
+
+
+def test_tail_duplication_toggle_changes_the_drafts(demo_reference, monkeypatch):
+    """The paged tree layout (page 16, topk 4) drafts exactly what the flat layout does,
+    because every branch reads a copy of the prefix tail; skip the copies and branches
+    1..k-1 read stale KV, so the drafts (and acceptance) change, output stays exact."""
+    prompts, expected = demo_reference
+    tree = {"numSteps": 3, "topk": 4, "numDraftTokens": 8}
+    flat = demo_run(demo_engine(kvCache={"pageSize": 1}, speculative=tree), prompts)
+    paged = demo_run(demo_engine(kvCache={"pageSize": 16}, speculative=tree), prompts)
+    assert [r[0] for r in flat] == [r[0] for r in paged] == expected
+    assert per_request_acceptance(paged) == per_request_acceptance(flat)
+    with_toggle(monkeypatch, "tail-duplication")
+    broken = demo_run(demo_engine(kvCache={"pageSize": 16}, speculative=tree), prompts)
+    assert [r[0] for r in broken] == expected  # verify keeps it lossless
+    assert per_request_acceptance(broken) != per_request_acceptance(flat)

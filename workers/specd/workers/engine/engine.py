@@ -391,7 +391,7 @@ class Engine:
         self._count_step(batch)
         t1 = time.perf_counter()
         if batch.verify:
-            future = self._compute.submit(self.spec_decoder.step, list(batch.reqs))
+            future = self._submit_verify(batch)
             if self.overlap:
                 self._pending = (batch, future)
                 return time.perf_counter() - t1
@@ -416,12 +416,17 @@ class Engine:
         self._pending = None
         if nxt is not None:
             self._count_step(nxt)
-            self._pending = (nxt, self._compute.submit(self.spec_decoder.step, list(nxt.reqs)))
+            self._pending = (nxt, self._submit_verify(nxt))
         t1 = time.perf_counter()
         out = future.result()
         model_s = time.perf_counter() - t1
         self._process_verify(batch, out)
         return model_s
+
+    def _submit_verify(self, batch: ScheduledBatch) -> Future:
+        return self._compute.submit(
+            self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens)
+        )
 
     def _settle_pending(self) -> None:
         """Shutdown or failure: let the verify in flight finish and account it, so its

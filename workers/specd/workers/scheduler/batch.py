@@ -20,6 +20,7 @@ class ScheduledBatch:
     extend_lens: tuple[int, ...]
     sample: tuple[bool, ...]
     verify: bool = False  # a speculative decode step (draft tree + verify), not an extend
+    granted_lens: tuple[int, ...] = ()  # verify: allocated length each request was given
 
     @property
     def num_tokens(self) -> int:

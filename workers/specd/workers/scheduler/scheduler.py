@@ -163,6 +163,7 @@ class Scheduler:
             extend_lens=tuple(spec.max_draft_tokens for _ in picked),
             sample=tuple(True for _ in picked),
             verify=True,
+            granted_lens=tuple(r.kv.allocated for r in picked),
         )
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:

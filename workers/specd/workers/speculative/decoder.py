@@ -156,12 +156,13 @@ class SpecDecoder:
 
     # -- one decode step -----------------------------------------------------
     @torch.inference_mode()
-    def step(self, reqs: list[Req]) -> SpecStepOut:
-        """Draft, verify and accept for ``reqs``; the draft then reads the accepted path,
+    def step(self, reqs: list[Req], granted_lens: list[int]) -> SpecStepOut:
+        """Draft, verify and accept for ``reqs`` (``granted_lens``: the allocated length
+        the scheduler gave each for this step); the draft then reads the accepted path,
         so the next step can start from the new states without the host."""
         states = [self.states[r.rid] for r in reqs]
         roots = [s.root_position for s in states]
-        self._check_writes_inside_allocation(reqs, roots)
+        self._check_writes_inside_allocation(reqs, roots, granted_lens)
         self._duplicate_prefix_tails(reqs, roots)
         tree = self._draft_tree(reqs, states)
         hidden, aux = self._verify_forward(reqs, roots, tree)
@@ -183,16 +184,19 @@ class SpecDecoder:
             accept_lens=tuple(result.accept_len.tolist()),
         )
 
-    def _check_writes_inside_allocation(self, reqs: list[Req], roots: list[int]) -> None:
-        """Always-on host check: every KV write of this step lands in ``[0, allocated)``
-        of its own request; past it the row holds another request's slots (seed 002)."""
-        for req, root in zip(reqs, roots, strict=True):
+    def _check_writes_inside_allocation(
+        self, reqs: list[Req], roots: list[int], granted_lens: list[int]
+    ) -> None:
+        """Always-on host check: every KV write of this step lands inside the allocation
+        the scheduler granted for it; past it the row holds stale slots that may belong
+        to another request (seed 002)."""
+        for req, root, granted in zip(reqs, roots, granted_lens, strict=True):
             end = max(self.layout.end(root), root + self.num_draft_tokens)
-            if end > req.kv.allocated:
+            if end > granted:
                 raise KVWriteOutOfBounds(
                     f"request {req.rid}: this verify step writes row positions up to {end} "
-                    f"but only {req.kv.allocated} are allocated (committed "
-                    f"{req.kv.committed}); the per-decode reserve is too small"
+                    f"but only {granted} are allocated for it (root at {root}); the "
+                    f"per-decode reserve (mem_cache/sizing.py) is too small"
                 )
 
     def _duplicate_prefix_tails(self, reqs: list[Req], roots: list[int]) -> None:
