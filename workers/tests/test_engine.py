@@ -10,6 +10,7 @@ import pytest
 
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 from specd.workers.testing import (
+    check_small_pool_run,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -66,13 +67,7 @@ def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references):
         kvCache={"pageSize": 4, "maxTokens": 96},
         scheduler={"chunkedPrefillSize": 64},
     )
-    try:
-        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
-        assert [r[0] for r in results] == expected
-        assert metric_value(engine, "specd_retractions_total") > 0
-        assert wait_idle(engine)
-    finally:
-        engine.shutdown()
+    check_small_pool_run(engine, prompts, expected, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from specd.workers.engine.engine import check_backend_supports_layout
 from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.sizing import SpecShape
 from specd.workers.testing import (
+    check_small_pool_run,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -119,13 +120,7 @@ def test_small_pool_retracts_and_stays_exact(pair, reference):
         speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
         debug={"strictMemCheck": 1},
     )
-    try:
-        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
-        assert [r[0] for r in results] == expected
-        assert metric_value(engine, "specd_retractions_total") > 0
-        assert wait_idle(engine)
-    finally:
-        engine.shutdown()
+    check_small_pool_run(engine, prompts, expected, MAX_NEW)
 
 
 def test_metrics_and_usage_count_verifies(pair, reference):
@@ -189,44 +184,38 @@ def test_sampling_matches_target_distribution(tiny_models, tmp_path):
     assert chi2_contingency(table.numpy()).pvalue > 0.001
 
 
-def test_row_headroom_toggle_trips_the_row_width_check(pair, monkeypatch):
-    """Reverting the row headroom (seed 002) makes a long request hit the always-on
-    row-width check: it ends with an error naming both widths; the engine stays up."""
-    monkeypatch.setenv("SPECD_DEBUG_REVERT", "row-headroom")
-    reverted_behaviours.cache_clear()
-    try:
-        target = pair[0]
-        engine = start_engine(
-            target,
-            model={"dtype": "float32", "contextLength": 64},
-            kvCache={"pageSize": 1, "maxTokens": 4096},
-            draft={"path": pair[1]},
-            speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
-        )
-        try:
-            [(tokens, _, last)] = run_all(engine, [[7] * 40], max_tokens=23, ignore_eos=True)
-            assert last.finish_reason is FinishReason.ERROR
-            assert "req_to_token rows are 76 wide" in last.error
-            assert "row-headroom" in last.error
-            assert engine.status()["healthy"]
-            assert wait_idle(engine)
-        finally:
-            engine.shutdown()
-    finally:
-        monkeypatch.delenv("SPECD_DEBUG_REVERT")
-        reverted_behaviours.cache_clear()
+def near_context_request(pair):
+    """One request that runs to the end of a 64-token context under a tree config whose
+    reserve (24) is wider than 4 + T (12) -> (tokens, last delta, engine status)."""
     engine = start_engine(
-        target,
-        model={"dtype": "float32", "contextLength": 64},
+        pair[0],
+        model={"contextLength": 64},
         kvCache={"pageSize": 1, "maxTokens": 4096},
         draft={"path": pair[1]},
         speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
     )
     try:
         [(tokens, _, last)] = run_all(engine, [[7] * 40], max_tokens=23, ignore_eos=True)
-        assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 23
+        assert wait_idle(engine)
+        return tokens, last, engine.status()
     finally:
         engine.shutdown()
+
+
+def test_row_headroom_toggle_trips_the_row_width_check(pair, monkeypatch):
+    """Reverting the row headroom (seed 002) makes a long request hit the always-on
+    row-width check: it ends with an error naming both widths; the engine stays up."""
+    tokens, last, _ = near_context_request(pair)
+    assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 23
+    with_toggle(monkeypatch, "row-headroom")
+    tokens, last, status = near_context_request(pair)
+    assert last.finish_reason is FinishReason.ERROR
+    assert (
+        "needs 77 positions" in last.error
+        or "positions but req_to_token rows are 76 wide" in last.error
+    )
+    assert "row-headroom" in last.error
+    assert status["healthy"]
 
 
 def test_unknown_toggle_is_refused(monkeypatch):

@@ -82,3 +82,16 @@ def metric_value(engine: Engine, name: str) -> float:
             if sample.name == name:
                 return sample.value
     raise KeyError(name)
+
+
+def check_small_pool_run(engine: Engine, prompts, expected, max_tokens: int) -> None:
+    """Run ``prompts`` on an engine whose KV pool is too small for all of them at once:
+    outputs must equal ``expected``, a retraction must have happened, and the engine
+    must go back to idle with no KV held.  Shuts the engine down."""
+    try:
+        results = run_all(engine, prompts, max_tokens=max_tokens, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert metric_value(engine, "specd_retractions_total") > 0
+        assert wait_idle(engine)
+    finally:
+        engine.shutdown()
