@@ -577,6 +577,7 @@ class Engine:
         self.metrics.leak_checks.inc()
         try:
             self.kv.check_integrity()
+            self.scheduler.check_committed_lengths()
         except AssertionError:
             self.metrics.leak_check_failures.inc()
             self.leak_check_failures += 1

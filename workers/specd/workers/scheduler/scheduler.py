@@ -248,3 +248,18 @@ class Scheduler:
                     break
             req.kv.assert_lengths(self.kv.row_width)
         return updated
+
+    def check_committed_lengths(self) -> None:
+        """Strict mode (seed 004): a drafting request's committed length is every token
+        but the last (whose KV the next verify writes), plus the root slot pre-claimed by
+        each verify still in flight.  Raises AssertionError naming the request."""
+        for req in self.running:
+            if not req.spec_ready:
+                continue
+            expected = req.num_fill - 1 + req.inflight_steps
+            if req.kv.committed != expected:
+                raise AssertionError(
+                    f"request {req.rid}: committed {req.kv.committed} != {req.num_fill - 1} "
+                    f"tokens with KV + {req.inflight_steps} pre-claimed root(s) of verify "
+                    f"steps in flight"
+                )
