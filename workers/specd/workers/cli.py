@@ -3,6 +3,10 @@
     specd serve FILE.yaml [--host 127.0.0.1] [--port 8000]   gateway + engine actors on Ray
     specd generate --model DIR [--max-tokens N] PROMPT     one engine in-process, no Ray
     specd validate FILE.yaml                               check a SpecDecodeDeployment
+    specd gateway --config FILE [--host H] [--port P]      the gateway pod: `serve` on
+                                                           RAY_ADDRESS, following FILE's changes
+    specd crd                                              print the SpecDecodeDeployment CRD
+    specd operator [--namespace NS ... | --all-namespaces] run the Kubernetes operator
 
 Exit codes: 0 success (``serve`` also after SIGINT/SIGTERM), 1 a failed generation,
 2 an invalid spec or model folder (the message names the field; no traceback).
@@ -24,7 +28,7 @@ EXIT_FAILED = 1
 EXIT_INVALID = 2
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, follow_config: bool = False) -> int:
     from specd.workers.gateway import Gateway  # imports Ray: only for `serve`
 
     sdd = load_deployment(args.file)
@@ -49,9 +53,74 @@ def _serve(args: argparse.Namespace) -> int:
         f"specd: starting {sdd.metadata.name} ({spec.replicas} replicas of {spec.served_model_name})",
         flush=True,
     )
-    asyncio.run(gateway.run(on_ready=ready))
+    asyncio.run(_run_gateway(gateway, ready, args.file if follow_config else None))
     print("specd: stopped", flush=True)
     return 0
+
+
+async def _run_gateway(gateway, on_ready, follow: str | None) -> None:
+    """``gateway.run``; with ``follow``, also apply that file's changes (`_follow_config`)."""
+    watcher = asyncio.create_task(_follow_config(gateway, follow)) if follow else None
+    try:
+        await gateway.run(on_ready=on_ready)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _follow_config(gateway, path: str, interval_s: float = 2.0) -> None:
+    """Roll the pool to the spec in ``path`` whenever the file changes (a mounted
+    ConfigMap): replicas scale, a new config hash rolls actors one at a time.  A new
+    model or tokenizer needs a new gateway process: it stops (Kubernetes restarts it).
+    An invalid file is logged and ignored; the running spec stays."""
+    log = logging.getLogger("specd.gateway")
+    last = Path(path).read_text()
+    while True:
+        await asyncio.sleep(interval_s)
+        text = Path(path).read_text()
+        if text == last or gateway.pool is None:
+            continue
+        last = text
+        try:
+            spec = load_deployment(path).spec
+        except ConfigError as err:
+            log.error("ignoring the changed %s: %s", path, err)
+            continue
+        old = gateway.pool.spec
+        if (spec.model.path, spec.model.tokenizer) != (old.model.path, old.model.tokenizer):
+            log.warning("%s: the model changed; restarting the gateway", path)
+            gateway.stop()
+            return
+        log.info("%s changed: config %s -> %s", path, old.config_hash(), spec.config_hash())
+        gateway.pool.update_spec(spec)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    args.file = args.config
+    return _serve(args, follow_config=True)
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from specd.operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from specd.operator.children import ChildOptions
+    from specd.operator.main import run_operator
+
+    return run_operator(
+        namespaces=args.namespace,
+        clusterwide=args.all_namespaces,
+        options=ChildOptions(image=args.image, ray_version=args.ray_version),
+        poll_interval_s=args.poll_interval,
+        metrics_port=args.metrics_port or None,
+        liveness=args.liveness or None,
+        standalone=args.standalone,
+        priority=args.priority,
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -131,7 +200,35 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a SpecDecodeDeployment file")
     val.add_argument("file")
     val.set_defaults(func=_validate)
+    _add_operator_commands(sub)
     return parser
+
+
+def _add_operator_commands(sub) -> None:
+    gw = sub.add_parser(
+        "gateway", help="run the gateway of a deployment on RAY_ADDRESS (the Kubernetes pod)"
+    )
+    gw.add_argument("--config", required=True, help="SpecDecodeDeployment YAML (followed)")
+    gw.add_argument("--host", default="0.0.0.0")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--drain-timeout", type=float, default=30.0)
+    gw.set_defaults(func=_gateway)
+
+    crd = sub.add_parser("crd", help="print the SpecDecodeDeployment CRD (YAML)")
+    crd.set_defaults(func=_crd)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = op.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--namespace", action="append", help="watch this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    op.add_argument("--image", default="ghcr.io/specd/specd:0.1.0", help="gateway and Ray image")
+    op.add_argument("--ray-version", default="2.40.0")
+    op.add_argument("--poll-interval", type=float, default=10.0, help="gateway poll, seconds")
+    op.add_argument("--metrics-port", type=int, default=9090, help="0: no /metrics")
+    op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="'' to disable")
+    op.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    op.add_argument("--priority", type=int, default=0, help="peering priority")
+    op.set_defaults(func=_operator)
 
 
 def main(argv: list[str] | None = None) -> int:

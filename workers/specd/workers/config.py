@@ -74,6 +74,14 @@ class SpeculativeSpec(_Spec):
         4, ge=2, le=256, description="Tokens per verify incl. the root (T)"
     )
     adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
+    # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
+    # it neither reaches the engine config nor changes the config hash (no needless roll).
+    min_accept_length: float = Field(
+        1.5,
+        ge=1,
+        exclude=True,
+        description="SpeculationEffective is False while the mean accept length is below this",
+    )
 
     @model_validator(mode="after")
     def _consistent_tree(self) -> SpeculativeSpec:
@@ -134,10 +142,28 @@ class RaySpec(_Spec):
     address: str | None = None
     cluster: dict[str, Any] | None = Field(None, description="RayCluster template overrides")
 
+    @model_validator(mode="after")
+    def _one_cluster(self) -> RaySpec:
+        if self.address is not None and self.cluster is not None:
+            raise ValueError(
+                "set only one of address (an existing Ray cluster) or cluster "
+                "(overrides for the RayCluster the operator manages)"
+            )
+        return self
+
 
 class SessionsSpec(_Spec):
     enabled: bool = False
     timeout_seconds: float = Field(300, gt=0)
+
+
+class MetricsSpec(_Spec):
+    """Operator-only: how Prometheus scrapes the gateway (not part of the engine config)."""
+
+    service_monitor: bool = Field(
+        False, description="Create a ServiceMonitor (when the Prometheus operator is installed)"
+    )
+    interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval")
 
 
 class DebugSpec(_Spec):
@@ -157,6 +183,10 @@ class DeploymentSpec(_Spec):
     ray: RaySpec = Field(default_factory=RaySpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, exclude=True)
+    image: str | None = Field(
+        None, exclude=True, description="Container image of the gateway and Ray pods (operator)"
+    )
 
     @model_validator(mode="after")
     def _draft_and_speculative_together(self) -> DeploymentSpec:

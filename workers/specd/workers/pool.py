@@ -302,7 +302,7 @@ class PoolController:
         async def one(r: Replica) -> str | None:
             try:
                 return (await asyncio.wait_for(r.handle.metrics_text.remote(), timeout_s)).decode()
-            except (asyncio.TimeoutError, RayError):
+            except (TimeoutError, RayError):
                 return None
 
         return [t for t in await asyncio.gather(*(one(r) for r in live)) if t is not None]
@@ -332,7 +332,7 @@ class PoolController:
             replica.load = await asyncio.wait_for(
                 replica.handle.status.remote(), self.probe_timeout_s
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.mark_dead(replica, f"no answer to a health probe within {self.probe_timeout_s:g}s")
         except RayError as err:
             self.mark_dead(replica, _describe(err))
@@ -373,7 +373,7 @@ class PoolController:
             replica.load = await asyncio.wait_for(
                 replica.handle.status.remote(), self.probe_timeout_s
             )
-        except (asyncio.TimeoutError, RayError) as err:
+        except (TimeoutError, RayError) as err:
             if replica.state is not ReplicaState.STARTING:
                 return  # retired while starting: not a start failure
             self._start_failures += 1
@@ -400,7 +400,7 @@ class PoolController:
                 left = await asyncio.wait_for(
                     replica.handle.drain.remote(timeout_s), timeout_s + self.probe_timeout_s
                 )
-            except (asyncio.TimeoutError, RayError) as err:
+            except (TimeoutError, RayError) as err:
                 left = f"unknown ({_describe(err)})"
             if left:
                 self._event(

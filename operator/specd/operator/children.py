@@ -1,0 +1,268 @@
+"""Desired child objects of a SpecDecodeDeployment, as plain dicts (pure builders).
+
+    SDD ──owns──> ConfigMap   <name>-config    the resolved engine config + its hash
+        ──owns──> RayCluster  <name>-ray       head (no actors) + GPU "engine" workers;
+                                               absent when spec.ray.address is set
+        ──owns──> Deployment  <name>-gateway   one pod: joins Ray as a 0-CPU/0-GPU node,
+                                               runs `specd gateway --config <mounted file>`
+        ──owns──> Service     <name>-gateway   port 8000 (OpenAI API, /metrics, /admin/status)
+        ──owns──> ServiceMonitor <name>-gateway   when spec.metrics.serviceMonitor
+
+The gateway re-reads the mounted ConfigMap when it changes and rolls its actors one
+at a time, so the gateway pod template never carries the config hash: a spec change
+must not restart the gateway (that would drop every running actor).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from specd.operator import naming
+from specd.workers.config import API_GROUP, API_VERSION, KIND, SpecDecodeDeployment
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChildOptions:
+    """Operator-wide settings (``specd operator`` flags)."""
+
+    image: str = "ghcr.io/specd/specd:0.1.0"
+    ray_version: str = "2.40.0"
+    gateway_cpu: str = "1"
+    gateway_memory: str = "2Gi"
+
+
+def _meta(owner: Owner, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": naming.labels(owner.name, component),
+        "ownerReferences": [owner.reference()],
+        **extra,
+    }
+
+
+def engine_config_document(sdd: SpecDecodeDeployment) -> dict[str, Any]:
+    """The file the gateway loads: the validated spec with defaults filled in."""
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "metadata": {"name": sdd.metadata.name},
+        "spec": sdd.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+def build_configmap(sdd: SpecDecodeDeployment, owner: Owner) -> dict[str, Any]:
+    config_hash = sdd.spec.config_hash()
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            owner,
+            naming.configmap_name(owner.name),
+            "config",
+            annotations={naming.CONFIG_HASH_ANNOTATION: config_hash},
+        ),
+        "data": {
+            naming.CONFIG_FILE: yaml.safe_dump(engine_config_document(sdd), sort_keys=False),
+            naming.CONFIG_HASH_KEY: config_hash,
+        },
+    }
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` laid over ``base``: dicts merge, anything else (lists too) replaces."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _quantity(value: float) -> str:
+    return f"{value:g}"
+
+
+def build_raycluster(
+    sdd: SpecDecodeDeployment, owner: Owner, options: ChildOptions
+) -> dict[str, Any]:
+    """A KubeRay RayCluster: a head that runs no actors and one worker pod per replica.
+
+    Each worker pod gets ``ceil(resources.gpus)`` GPUs and the replica's CPU/memory.
+    The group holds ``replicas + 1`` pods: the pool rolls a config change with one
+    surge actor, which must find a free GPU.  ``spec.ray.cluster`` is merged over the
+    result (dicts merge, lists replace).
+    """
+    spec = sdd.spec
+    res = spec.resources
+    gpus = math.ceil(res.gpus)
+    image = spec.image or options.image
+    limits: dict[str, str] = {"cpu": _quantity(res.cpu)}
+    if res.memory:
+        limits["memory"] = res.memory
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    workers = spec.replicas + 1 if spec.replicas else 0
+    worker_labels = naming.labels(owner.name, "engine")
+    cluster = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": _meta(owner, naming.raycluster_name(owner.name), "ray"),
+        "spec": {
+            "rayVersion": options.ray_version,
+            "headGroupSpec": {
+                "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
+                "template": {
+                    "metadata": {"labels": naming.labels(owner.name, "ray-head")},
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": image,
+                                "ports": [
+                                    {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},
+                                    {"name": "dashboard", "containerPort": 8265},
+                                ],
+                                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+                            }
+                        ]
+                    },
+                },
+            },
+            "workerGroupSpecs": [
+                {
+                    "groupName": "engine",
+                    "replicas": workers,
+                    "minReplicas": 0,
+                    "maxReplicas": max(workers, 1),
+                    "rayStartParams": {
+                        "num-cpus": _quantity(res.cpu),
+                        "num-gpus": str(gpus),
+                    },
+                    "template": {
+                        "metadata": {"labels": worker_labels},
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "ray-worker",
+                                    "image": image,
+                                    "resources": {"limits": limits, "requests": dict(limits)},
+                                }
+                            ]
+                        },
+                    },
+                }
+            ],
+        },
+    }
+    if spec.ray.cluster:
+        cluster["spec"] = deep_merge(cluster["spec"], spec.ray.cluster)
+    return cluster
+
+
+def gateway_command(ray_address: str) -> list[str]:
+    """Join Ray as a node that takes no actors, then run the gateway (a local driver)."""
+    config = f"{naming.CONFIG_DIR}/{naming.CONFIG_FILE}"
+    script = (
+        f"ray start --address={ray_address} --num-cpus=0 --num-gpus=0 && "
+        f"RAY_ADDRESS=auto exec specd gateway --config {config} "
+        f"--host 0.0.0.0 --port {naming.GATEWAY_PORT}"
+    )
+    return ["/bin/sh", "-c", script]
+
+
+def build_gateway_deployment(
+    sdd: SpecDecodeDeployment, owner: Owner, options: ChildOptions
+) -> dict[str, Any]:
+    """One gateway pod (Recreate: two drivers would each start a full actor pool)."""
+    spec = sdd.spec
+    address = spec.ray.address or naming.ray_head_address(owner.name, owner.namespace)
+    probe = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 10}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, naming.gateway_name(owner.name), "gateway"),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": naming.selector_labels(owner.name, "gateway")},
+            "template": {
+                "metadata": {"labels": naming.labels(owner.name, "gateway")},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "gateway",
+                            "image": spec.image or options.image,
+                            "command": gateway_command(address),
+                            "ports": [{"name": "http", "containerPort": naming.GATEWAY_PORT}],
+                            "readinessProbe": probe,
+                            "livenessProbe": {**probe, "failureThreshold": 6},
+                            "resources": {
+                                "requests": {
+                                    "cpu": options.gateway_cpu,
+                                    "memory": options.gateway_memory,
+                                }
+                            },
+                            "volumeMounts": [{"name": "config", "mountPath": naming.CONFIG_DIR}],
+                        }
+                    ],
+                    "volumes": [
+                        {
+                            "name": "config",
+                            "configMap": {"name": naming.configmap_name(owner.name)},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def build_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, naming.gateway_name(owner.name), "gateway"),
+        "spec": {
+            "selector": naming.selector_labels(owner.name, "gateway"),
+            "ports": [
+                {"name": "http", "port": naming.GATEWAY_PORT, "targetPort": "http"},
+            ],
+        },
+    }
+
+
+def build_servicemonitor(sdd: SpecDecodeDeployment, owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(owner, naming.gateway_name(owner.name), "gateway"),
+        "spec": {
+            "selector": {"matchLabels": naming.selector_labels(owner.name, "gateway")},
+            "endpoints": [
+                {"port": "http", "path": "/metrics", "interval": sdd.spec.metrics.interval}
+            ],
+        },
+    }

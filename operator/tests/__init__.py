@@ -1,0 +1,1 @@
+"""Operator tests (a package so pytest never names a module `operator.*`)."""

@@ -1,0 +1,85 @@
+"""``/admin/status`` documents in the shape `PoolController.status()` returns
+(test_gateway_contract checks the keys against the real pool)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from specd.workers.config import DeploymentSpec
+
+
+def actor(
+    name: str,
+    config_hash: str,
+    state: str = "ready",
+    *,
+    verifies: int = 0,
+    drafts: int = 0,
+    accepted: int = 0,
+    kv_used: int = 0,
+    kv_reserved: int = 0,
+    kv_total: int = 1000,
+    leaks: int = 0,
+    speculating: bool = True,
+) -> dict[str, Any]:
+    load = {
+        "replica": name,
+        "config_hash": config_hash,
+        "running": 0,
+        "queued": 0,
+        "queued_tokens": 0,
+        "kv_used_tokens": kv_used,
+        "kv_total_tokens": kv_total,
+        "kv_usage": kv_used / kv_total,
+        "retractions": 0,
+        "kv_reserved_tokens": kv_reserved,
+        "leak_check_failures": leaks,
+        "speculation": (
+            {"verify_steps": verifies, "draft_tokens": drafts, "accepted_tokens": accepted}
+            if speculating
+            else None
+        ),
+        "healthy": True,
+        "last_error": None,
+        "draining": False,
+        "inflight": 0,
+    }
+    return {
+        "name": name,
+        "actor_name": f"specd-test-abc123-{name}",
+        "state": state,
+        "config_hash": config_hash,
+        "inflight": 0,
+        "context_length": 4096,
+        "load": load if state == "ready" else {},
+        "error": None,
+    }
+
+
+def event(replica: str, what: str, detail: str = "", at: float | None = None) -> dict[str, Any]:
+    return {"time": at or time.time(), "replica": replica, "event": what, "detail": detail}
+
+
+def gateway_doc(
+    spec: DeploymentSpec,
+    actors: list[dict[str, Any]],
+    *,
+    name: str = "x",
+    config_hash: str | None = None,
+    events: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    want = config_hash or spec.config_hash()
+    ready = [a for a in actors if a["state"] == "ready"]
+    return {
+        "deployment": name,
+        "model": spec.served_model_name,
+        "config_hash": want,
+        "desired_replicas": spec.replicas,
+        "ready_replicas": len(ready),
+        "converged": len(actors) == spec.replicas
+        and all(a["state"] == "ready" and a["config_hash"] == want for a in actors),
+        "kv_usage": max((a["load"]["kv_usage"] for a in ready), default=0.0),
+        "actors": actors,
+        "events": events or [],
+    }

@@ -1,0 +1,90 @@
+"""Pure builders: the desired children for a spec, without any server."""
+
+from __future__ import annotations
+
+import yaml
+
+from specd.operator import children, naming
+from specd.operator.children import ChildOptions, Owner
+from specd.workers.config import SpecDecodeDeployment, parse_deployment
+
+OWNER = Owner("m", "ns", "uid-1")
+
+
+def _sdd(**spec):
+    return SpecDecodeDeployment.model_validate(
+        {
+            "apiVersion": "specd.dev/v1alpha1",
+            "kind": "SpecDecodeDeployment",
+            "metadata": {"name": "m"},
+            "spec": {"model": {"path": "/m"}, **spec},
+        }
+    )
+
+
+def test_configmap_is_a_loadable_engine_config_without_operator_fields():
+    sdd = _sdd(
+        replicas=3,
+        metrics={"serviceMonitor": True},
+        image="img:1",
+        draft={"path": "/d"},
+        speculative={"minAcceptLength": 3},
+    )
+    cm = children.build_configmap(sdd, OWNER)
+    doc = yaml.safe_load(cm["data"][naming.CONFIG_FILE])
+    assert "metrics" not in doc["spec"] and "image" not in doc["spec"]
+    assert "minAcceptLength" not in doc["spec"]["speculative"]
+    loaded = parse_deployment(doc)  # what `specd gateway` does with the file
+    assert loaded.spec.config_hash() == sdd.spec.config_hash() == cm["data"]["configHash"]
+    assert loaded.spec.replicas == 3
+
+
+def test_operator_only_fields_do_not_change_the_config_hash():
+    base = _sdd(draft={"path": "/d"}, speculative={})
+    tuned = _sdd(
+        draft={"path": "/d"},
+        speculative={"minAcceptLength": 4},
+        metrics={"serviceMonitor": True, "interval": "5s"},
+        image="x",
+    )
+    assert base.spec.config_hash() == tuned.spec.config_hash()
+
+
+def test_raycluster_overrides_merge_and_cpu_replicas_get_no_gpu():
+    sdd = _sdd(
+        replicas=0,
+        resources={"gpus": 0, "cpu": 2},
+        ray={"cluster": {"headGroupSpec": {"rayStartParams": {"block": "true"}}}},
+    )
+    rc = children.build_raycluster(sdd, OWNER, ChildOptions())
+    assert rc["spec"]["headGroupSpec"]["rayStartParams"] == {
+        "num-cpus": "0",
+        "num-gpus": "0",
+        "dashboard-host": "0.0.0.0",
+        "block": "true",
+    }
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    assert group["replicas"] == 0
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "2"}
+
+
+def test_fractional_gpus_round_up_per_pod():
+    rc = children.build_raycluster(_sdd(replicas=2, resources={"gpus": 0.5}), OWNER, ChildOptions())
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    assert group["rayStartParams"]["num-gpus"] == "1"
+    assert group["template"]["metadata"]["labels"][naming.COMPONENT_LABEL] == "engine"
+
+
+def test_names_and_selectors_agree():
+    sdd = _sdd()
+    deploy = children.build_gateway_deployment(sdd, OWNER, ChildOptions())
+    svc = children.build_service(OWNER)
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    assert naming.gateway_url("m", "ns") == f"http://{svc['metadata']['name']}.ns.svc:8000"
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    # a spec change must not restart the gateway: the pod template carries no hash
+    other = children.build_gateway_deployment(_sdd(kvCache={"pageSize": 4}), OWNER, ChildOptions())
+    assert other["spec"]["template"] == deploy["spec"]["template"]

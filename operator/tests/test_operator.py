@@ -1,0 +1,447 @@
+"""kopf (KopfRunner) against the fake API server over real HTTP, with a fake gateway
+serving ``/admin/status`` over HTTP.  The tests play the missing controllers: they
+set what the gateway reports and assert what the operator wrote."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import yaml
+from kopf.testing import KopfRunner
+
+from specd.operator.children import ChildOptions
+from specd.operator.handlers import build_registry, operator_settings
+from specd.operator.reconcile import OperatorContext
+from specd.workers.config import SpecDecodeDeployment
+
+from .conftest import NAMESPACE, REPO, Cluster, load_example
+from .gateway_docs import actor, event, gateway_doc
+
+SDD_PATH = f"/apis/specd.dev/v1alpha1/namespaces/{NAMESPACE}/specdecodedeployments"
+
+
+@contextlib.contextmanager
+def operator(cluster: Cluster) -> Iterator[OperatorContext]:
+    ctx = OperatorContext(
+        options=ChildOptions(image="specd:test"),
+        poll_interval_s=0.2,
+        gateway_timeout_s=1.0,
+        gateway_url=cluster.gateway.url,
+    )
+    args = ["run", "--standalone", "--verbose", "--namespace", NAMESPACE]
+    with KopfRunner(
+        args, registry=build_registry(ctx), settings=operator_settings(), timeout=20
+    ) as runner:
+        yield ctx
+    assert runner.exit_code == 0, runner.output
+    assert runner.exception is None
+
+
+def http(cluster: Cluster, method: str, path: str, body: Any = None, ctype: str | None = None):
+    async def go():
+        headers = {"Content-Type": ctype} if ctype else {}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.request(method, cluster.url + path, json=body, headers=headers) as r,
+        ):
+            return r.status, await r.json(content_type=None)
+
+    return cluster.call(go())
+
+
+def create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    status, body = http(cluster, "POST", SDD_PATH, doc)
+    assert status in (200, 201), body
+    return body
+
+
+def merge(cluster: Cluster, name: str, patch: dict[str, Any], sub: str = "") -> Any:
+    path = f"{SDD_PATH}/{name}" + (f"/{sub}" if sub else "")
+    return http(cluster, "PATCH", path, patch, "application/merge-patch+json")
+
+
+def sdd(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    return cluster.get(cluster.sdd, name)
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions", []):
+        if c["type"] == type_:
+            return c
+    return {}
+
+
+def wait_condition(cluster, name, type_, status, reason=None, timeout=15):
+    def check():
+        c = condition(sdd(cluster, name), type_)
+        return c if c.get("status") == status and reason in (None, c.get("reason")) else None
+
+    return cluster.wait_for(check, timeout, f"{type_}={status} ({reason})")
+
+
+def spec_of(doc: dict[str, Any]) -> Any:
+    return SpecDecodeDeployment.model_validate(doc).spec
+
+
+def event_messages(cluster: Cluster) -> str:
+    def read() -> str:
+        return " ".join(
+            f"{e.raw.get('reason')}: {e.raw.get('message')}"
+            for (r, _, _), e in cluster.kube.objects.items()
+            if r == cluster.events and not e.deleted
+        )
+
+    return cluster.run(read)
+
+
+def test_create_makes_every_child_with_owner_references(cluster):
+    doc = load_example("gpu-eagle3-tree.yaml")
+    with operator(cluster):
+        created = create(cluster, doc)
+        name, uid = "llama3-eagle3", created["metadata"]["uid"]
+        deploy = cluster.wait_for(lambda: cluster.get(cluster.deployments, f"{name}-gateway"))
+        monitor = cluster.wait_for(lambda: cluster.get(cluster.servicemonitors, f"{name}-gateway"))
+        cluster.wait_for(lambda: "ServiceMonitor " in event_messages(cluster), what="events")
+    cm = cluster.get(cluster.configmaps, f"{name}-config")
+    ray = cluster.get(cluster.rayclusters, f"{name}-ray")
+    svc = cluster.get(cluster.services, f"{name}-gateway")
+    for child in (cm, ray, deploy, svc, monitor):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "SpecDecodeDeployment",
+            name,
+            uid,
+            True,
+        )
+    # the ConfigMap holds the resolved engine config and its hash
+    spec = spec_of(doc)
+    engine = yaml.safe_load(cm["data"]["deployment.yaml"])
+    assert spec_of(engine).model_dump() == spec.model_dump()
+    assert engine["spec"]["kvCache"]["pageSize"] == 64 and "metrics" not in engine["spec"]
+    assert cm["data"]["configHash"] == spec.config_hash()
+    # KubeRay: a head that takes no actors, one GPU worker per replica (+1 surge)
+    head = ray["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    (workers,) = ray["spec"]["workerGroupSpecs"]
+    assert workers["replicas"] == 3
+    limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "1" and limits["memory"] == "64Gi"
+    # the gateway joins that cluster and serves the mounted config
+    pod = deploy["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    script = container["command"][-1]
+    assert f"--address={name}-ray-head-svc.{NAMESPACE}.svc:6379" in script
+    assert "--num-cpus=0 --num-gpus=0" in script
+    assert "specd gateway --config /etc/specd/deployment.yaml" in script
+    assert pod["spec"]["volumes"][0]["configMap"]["name"] == f"{name}-config"
+    assert container["image"] == "specd:test"
+    # Service -> gateway pods; ServiceMonitor -> Service
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+    # Events name each child created
+    for kind in ("ConfigMap", "RayCluster", "Deployment", "Service", "ServiceMonitor"):
+        assert f"{kind} " in event_messages(cluster)
+
+
+def _demo_spec_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    doc = load_example("gpu-eagle3-tree.yaml")
+    doc["metadata"]["name"] = name
+    doc["spec"].update(spec)
+    return doc
+
+
+def test_status_comes_from_the_gateway_admin_status(cluster):
+    doc = _demo_spec_doc(replicas=2)
+    spec, h = spec_of(doc), spec_of(doc).config_hash()
+    with operator(cluster):
+        create(cluster, doc)
+        # no gateway answer yet: not ready, and says why
+        c = wait_condition(cluster, "demo", "Ready", "False", "GatewayUnavailable")
+        assert "/admin/status" in c["message"]
+        cluster.gateway.docs[(NAMESPACE, "demo")] = gateway_doc(
+            spec,
+            [
+                actor(
+                    "r0", h, verifies=100, drafts=3100, accepted=150, kv_used=400, kv_reserved=64
+                ),
+                actor(
+                    "r1", h, verifies=100, drafts=3100, accepted=250, kv_used=200, kv_reserved=128
+                ),
+            ],
+        )
+        wait_condition(cluster, "demo", "Ready", "True", "AllReplicasReady")
+        status = sdd(cluster, "demo")["status"]
+        assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+        assert status["ready"] == "2/2" and status["configHash"] == h
+        assert status["observedGeneration"] == 1
+        assert status["selector"] == "specd.dev/deployment=demo,specd.dev/component=engine"
+        assert status["endpoint"] == f"http://demo-gateway.{NAMESPACE}.svc:8000"
+        # 400 accepted drafts over 200 verifies: 1 + 2 tokens per verify
+        assert status["speculation"]["acceptLength"] == 3.0
+        assert status["speculation"]["acceptRate"] == round(400 / 6200, 3)
+        assert status["kv"] == {"usage": 0.4, "reserveUsage": 0.128}
+        assert [(a["name"], a["state"], a["configHash"]) for a in status["actors"]] == [
+            ("r0", "ready", h),
+            ("r1", "ready", h),
+        ]
+        assert condition(sdd(cluster, "demo"), "SpeculationEffective")["status"] == "True"
+        assert condition(sdd(cluster, "demo"), "Degraded")["status"] == "False"
+        # the next window accepts little: below minAcceptLength (2.0) -> not effective
+        cluster.gateway.docs[(NAMESPACE, "demo")] = gateway_doc(
+            spec,
+            [
+                actor("r0", h, verifies=200, drafts=6200, accepted=160, kv_used=400),
+                actor("r1", h, verifies=200, drafts=6200, accepted=260, kv_used=200),
+            ],
+        )
+        c = wait_condition(cluster, "demo", "SpeculationEffective", "False", "AcceptLengthLow")
+        assert "1.1 < spec.speculative.minAcceptLength 2" in c["message"]
+        assert sdd(cluster, "demo")["status"]["speculation"]["windowVerifies"] == 200
+
+
+def test_speculative_update_rolls_to_a_new_hash_and_is_ready_only_when_all_actors_run_it(
+    cluster,
+):
+    doc = _demo_spec_doc(replicas=2)
+    old = spec_of(doc).config_hash()
+    gw = cluster.gateway.docs
+    with operator(cluster):
+        create(cluster, doc)
+        gw[(NAMESPACE, "demo")] = gateway_doc(spec_of(doc), [actor("r0", old), actor("r1", old)])
+        wait_condition(cluster, "demo", "Ready", "True")
+        status, _ = merge(
+            cluster, "demo", {"spec": {"speculative": {"numSteps": 4, "numDraftTokens": 24}}}
+        )
+        assert status == 200
+        new_doc = sdd(cluster, "demo")
+        new = spec_of(new_doc).config_hash()
+        assert new != old and new_doc["metadata"]["generation"] == 2
+        cm = cluster.wait_for(
+            lambda: (
+                (c := cluster.get(cluster.configmaps, "demo-config"))
+                and c["data"]["configHash"] == new
+                and c
+            ),
+            what="ConfigMap with the new hash",
+        )
+        assert yaml.safe_load(cm["data"]["deployment.yaml"])["spec"]["speculative"]["numSteps"] == 4
+        # the gateway still runs the old config: Progressing, not Ready
+        c = wait_condition(cluster, "demo", "Progressing", "True", "ConfigPending")
+        assert new in c["message"]
+        assert condition(sdd(cluster, "demo"), "Ready")["status"] == "False"
+        assert sdd(cluster, "demo")["status"]["observedGeneration"] == 2
+        # mid-roll: one new actor ready, one old still serving -> still not Ready
+        new_spec = spec_of(new_doc)
+        gw[(NAMESPACE, "demo")] = gateway_doc(
+            new_spec, [actor("r1", old), actor("r2", new), actor("r3", new, "starting")]
+        )
+        c = wait_condition(cluster, "demo", "Progressing", "True", "RollingUpdate")
+        assert "1/2 actors ready" in c["message"]
+        assert condition(sdd(cluster, "demo"), "Ready")["status"] == "False"
+        assert sdd(cluster, "demo")["status"]["updatedReplicas"] == 1
+        gw[(NAMESPACE, "demo")] = gateway_doc(new_spec, [actor("r2", new), actor("r3", new)])
+        wait_condition(cluster, "demo", "Ready", "True", "AllReplicasReady")
+        assert condition(sdd(cluster, "demo"), "Progressing")["reason"] == "RolloutComplete"
+        assert "RolloutProgress" in event_messages(cluster)
+
+
+def test_scale_subresource_changes_replicas_and_the_children(cluster):
+    doc = _demo_spec_doc(replicas=2)
+    with operator(cluster):
+        create(cluster, doc)
+        cluster.wait_for(lambda: cluster.get(cluster.rayclusters, "demo-ray"))
+        status, scale = http(cluster, "GET", f"{SDD_PATH}/demo/scale")
+        assert status == 200 and (scale["kind"], scale["spec"]["replicas"]) == ("Scale", 2)
+        status, scale = merge(cluster, "demo", {"spec": {"replicas": 3}}, sub="scale")
+        assert status == 200 and scale["spec"]["replicas"] == 3
+        assert sdd(cluster, "demo")["spec"]["replicas"] == 3
+        cluster.wait_for(
+            lambda: (
+                cluster.get(cluster.rayclusters, "demo-ray")["spec"]["workerGroupSpecs"][0][
+                    "replicas"
+                ]
+                == 4
+            ),
+            what="worker group resized",
+        )
+        cm = cluster.get(cluster.configmaps, "demo-config")
+        assert yaml.safe_load(cm["data"]["deployment.yaml"])["spec"]["replicas"] == 3
+        assert cm["data"]["configHash"] == spec_of(doc).config_hash()  # no roll for a scale
+        cluster.wait_for(
+            lambda: sdd(cluster, "demo")["status"].get("ready") == "0/3", what="READY 0/3"
+        )
+        assert sdd(cluster, "demo")["status"]["observedGeneration"] == 2
+
+
+def test_delete_leaves_cleanup_to_owner_references(cluster):
+    with operator(cluster):
+        uid = create(cluster, _demo_spec_doc())["metadata"]["uid"]
+        cluster.wait_for(lambda: cluster.get(cluster.services, "demo-gateway"))
+        status, _ = http(cluster, "DELETE", f"{SDD_PATH}/demo")
+        assert status == 200
+        cluster.wait_for(lambda: sdd(cluster, "demo") is None, what="SDD deleted")
+    # no controller here runs garbage collection: every child points at the SDD
+    for res, name in [
+        (cluster.configmaps, "demo-config"),
+        (cluster.rayclusters, "demo-ray"),
+        (cluster.deployments, "demo-gateway"),
+        (cluster.services, "demo-gateway"),
+    ]:
+        assert cluster.get(res, name)["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+def test_delete_with_external_ray_stops_the_gateway_first(cluster):
+    doc = load_example("external-ray.yaml")
+    with operator(cluster):
+        create(cluster, doc)
+        deploy = cluster.wait_for(lambda: cluster.get(cluster.deployments, "shared-ray-gateway"))
+        assert (
+            "--address=ray-head.ray-system.svc:6379"
+            in deploy["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+        )
+        assert cluster.get(cluster.rayclusters, "shared-ray-ray") is None  # nothing managed
+        assert sdd(cluster, "shared-ray")["metadata"]["finalizers"]
+        http(cluster, "DELETE", f"{SDD_PATH}/shared-ray")
+        cluster.wait_for(lambda: sdd(cluster, "shared-ray") is None, what="SDD deleted")
+        assert cluster.get(cluster.deployments, "shared-ray-gateway") is None
+
+
+def test_spec_invalid_in_context_is_degraded_naming_the_field(cluster):
+    # Stored past admission (e.g. before a CEL rule existed): the operator validates
+    # with the pydantic models itself and reports instead of crashing or retrying.
+    bad = _demo_spec_doc("stale")
+    del bad["spec"]["draft"]
+    with operator(cluster):
+        res = cluster.sdd
+        cluster.run(
+            lambda: cluster.kube.objects.__setitem__(
+                (res, NAMESPACE, "stale"),
+                {
+                    **bad,
+                    "metadata": {
+                        "name": "stale",
+                        "namespace": NAMESPACE,
+                        "uid": "u-1",
+                        "resourceVersion": "1",
+                        "generation": 1,
+                    },
+                },
+            )
+        )
+        # the object was put in place without an event: poke it so the watch sees it
+        merge(cluster, "stale", {"metadata": {"labels": {"poke": "1"}}})
+        c = wait_condition(cluster, "stale", "Degraded", "True", "InvalidSpec")
+        assert "spec.speculative needs spec.draft" in c["message"]
+        assert condition(sdd(cluster, "stale"), "Ready")["status"] == "False"
+        time.sleep(0.5)
+        assert cluster.get(cluster.configmaps, "stale-config") is None  # nothing created
+        assert "InvalidSpec" in event_messages(cluster)
+
+
+def test_replica_that_fails_to_start_is_degraded_with_the_gateway_reason(cluster):
+    doc = _demo_spec_doc(replicas=1)
+    spec = spec_of(doc)
+    message = (
+        "failed to start (ConfigError: spec.attentionBackend: backend 'torch' cannot "
+        "run page_size > 1 with topk > 1); next try in 2s"
+    )
+    with operator(cluster):
+        create(cluster, doc)
+        cluster.gateway.docs[(NAMESPACE, "demo")] = gateway_doc(
+            spec,
+            [actor("r1", spec.config_hash(), "starting")],
+            events=[event("r0", "starting"), event("r0", "dead", message), event("r1", "starting")],
+        )
+        c = wait_condition(cluster, "demo", "Degraded", "True", "ReplicaFailing")
+        assert "spec.attentionBackend" in c["message"] and "r0" in c["message"]
+        assert sdd(cluster, "demo")["status"]["replacements"] == 1
+        # the replacement comes up: recovered
+        cluster.gateway.docs[(NAMESPACE, "demo")] = gateway_doc(
+            spec,
+            [actor("r1", spec.config_hash())],
+            events=[event("r0", "dead", message), event("r1", "ready")],
+        )
+        wait_condition(cluster, "demo", "Degraded", "False", "AsExpected")
+        wait_condition(cluster, "demo", "Ready", "True")
+
+
+def test_kuberay_missing_is_degraded_with_the_install_hint(cluster_factory):
+    cluster = cluster_factory(kuberay=False)
+    with operator(cluster):
+        create(cluster, _demo_spec_doc())
+        c = wait_condition(cluster, "demo", "Degraded", "True", "KubeRayMissing")
+        assert "helm install kuberay-operator" in c["message"] and "spec.ray" in c["message"]
+        assert condition(sdd(cluster, "demo"), "Ready")["reason"] == "KubeRayMissing"
+        assert cluster.get(cluster.configmaps, "demo-config") is not None
+        assert cluster.get(cluster.deployments, "demo-gateway") is None
+        assert "KubeRayMissing" in event_messages(cluster)
+
+
+def test_servicemonitor_skipped_when_its_crd_is_not_served(cluster_factory):
+    cluster = cluster_factory(prometheus=False)
+    with operator(cluster):
+        create(cluster, _demo_spec_doc())
+        cluster.wait_for(lambda: cluster.get(cluster.services, "demo-gateway"))
+        wait_condition(cluster, "demo", "Ready", "False", "GatewayUnavailable")
+
+
+def kubectl(cluster: Cluster, *args: str) -> str:
+    out = subprocess.run(
+        ["kubectl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_kubectl_apply_get_and_scale(cluster):
+    path = str(REPO / "examples" / "gpu-eagle3-tree.yaml")
+    spec = spec_of(load_example("gpu-eagle3-tree.yaml"))
+    h = spec.config_hash()
+    cluster.gateway.docs[(NAMESPACE, "llama3-eagle3")] = gateway_doc(
+        spec,
+        [
+            actor("r0", h, verifies=10, drafts=310, accepted=25, kv_used=370),
+            actor("r1", h, verifies=10, drafts=310, accepted=15, kv_used=120),
+        ],
+    )
+    with operator(cluster):
+        # field validation is the server's job for custom resources (the fake admits)
+        assert "created" in kubectl(cluster, "apply", "--validate=false", "-f", path)
+        wait_condition(cluster, "llama3-eagle3", "Ready", "True")
+        table = kubectl(cluster, "get", "sdd")
+        header, row = table.strip().splitlines()
+        assert header.split() == ["NAME", "READY", "REPLICAS", "ACCEPT-LEN", "KV-USAGE", "AGE"]
+        assert row.split()[:5] == ["llama3-eagle3", "2/2", "2", "3", "0.37"]
+        assert "scaled" in kubectl(cluster, "scale", "sdd/llama3-eagle3", "--replicas", "3")
+        assert sdd(cluster, "llama3-eagle3")["spec"]["replicas"] == 3
+        cluster.wait_for(
+            lambda: (
+                kubectl(cluster, "get", "sdd/llama3-eagle3", "-o", "jsonpath={.status.ready}")
+                == "2/3"
+            ),
+            what="READY 2/3 after the scale",
+        )
+    # a bad CR never reaches the operator: the API server refuses it
+    bad = load_example("gpu-eagle3-tree.yaml")
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["speculative"]["numDraftTokens"] = 99
+    proc = subprocess.run(
+        ["kubectl", "apply", "--validate=false", "-f", "-"],
+        input=json.dumps(bad),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "numDraftTokens must be at most topk * numSteps + 1" in proc.stderr
+    assert sdd(cluster, "bad") is None

@@ -1,0 +1,134 @@
+"""`status.compute_status` and helpers, pure: tables of gateway documents -> CR status."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.operator.status import (
+    Observation,
+    SddStatus,
+    SpeculationStatus,
+    compute_status,
+    failing_replicas,
+    merge_patch,
+    speculation_window,
+)
+from specd.workers.config import SpecDecodeDeployment
+
+from .gateway_docs import actor, event, gateway_doc
+
+NOW = "2026-01-01T00:00:00Z"
+
+
+def _sdd(replicas=2, speculative=True):
+    spec = {"model": {"path": "/m"}, "replicas": replicas}
+    if speculative:
+        spec |= {"draft": {"path": "/d"}, "speculative": {"minAcceptLength": 2.0}}
+    return SpecDecodeDeployment.model_validate(
+        {
+            "apiVersion": "specd.dev/v1alpha1",
+            "kind": "SpecDecodeDeployment",
+            "metadata": {"name": "x"},
+            "spec": spec,
+        }
+    )
+
+
+def _conditions(status: SddStatus) -> dict[str, tuple[str, str]]:
+    return {c.type: (c.status, c.reason) for c in status.conditions}
+
+
+def test_window_counts_only_what_each_actor_gained():
+    prev = SpeculationStatus(accept_length=9.0, counters={"r0": [100, 300, 200]})
+    actors = [
+        actor("r0", "h", verifies=150, drafts=450, accepted=250),  # +50 verifies, +50
+        actor("r1", "h", verifies=50, drafts=150, accepted=100),
+    ]  # new: all of it
+    window = speculation_window(actors, prev)
+    assert window.window_verifies == 100
+    assert window.accept_length == 1 + 150 / 100
+    assert window.counters == {"r0": [150, 450, 250], "r1": [50, 150, 100]}
+
+
+def test_window_restarts_from_zero_when_counters_go_down():
+    prev = SpeculationStatus(counters={"r0": [100, 300, 200]})
+    window = speculation_window([actor("r0", "h", verifies=10, drafts=30, accepted=5)], prev)
+    assert (window.window_verifies, window.accept_length) == (10, 1.5)
+
+
+def test_no_verifies_keeps_the_previous_reading():
+    prev = SpeculationStatus(accept_length=2.5, accept_rate=0.5, counters={"r0": [10, 30, 15]})
+    window = speculation_window([actor("r0", "h", verifies=10, drafts=30, accepted=15)], prev)
+    assert (window.accept_length, window.window_verifies) == (2.5, 0)
+
+
+@pytest.mark.parametrize(
+    "events,failing",
+    [
+        ([], []),
+        ([event("r0", "dead", "x")], ["r0"]),
+        ([event("r0", "dead", "x"), event("r1", "ready")], []),
+        ([event("r0", "ready"), event("r1", "dead", "a"), event("r2", "dead", "b")], ["r1", "r2"]),
+    ],
+    ids=["quiet", "one-failure", "recovered", "two-after-ready"],
+)
+def test_failing_replicas(events, failing):
+    assert [e["replica"] for e in failing_replicas(events)] == failing
+
+
+def test_ready_needs_the_gateway_on_the_current_hash_and_every_actor_on_it():
+    sdd = _sdd()
+    h = sdd.spec.config_hash()
+    cases = [
+        (gateway_doc(sdd.spec, [actor("r0", h), actor("r1", h)]), ("True", "AllReplicasReady")),
+        (
+            gateway_doc(sdd.spec, [actor("r0", h), actor("r1", h)], config_hash="old"),
+            ("False", "ConfigPending"),
+        ),
+        (gateway_doc(sdd.spec, [actor("r0", "old"), actor("r1", h)]), ("False", "RollingUpdate")),
+        (gateway_doc(sdd.spec, [actor("r0", h)]), ("False", "ReplicasNotReady")),
+        (
+            gateway_doc(sdd.spec, [actor("r0", h), actor("r1", h, "starting")]),
+            ("False", "ReplicasNotReady"),
+        ),
+    ]
+    for doc, ready in cases:
+        status = compute_status(Observation(3, sdd, gateway=doc), SddStatus(), NOW)
+        assert _conditions(status)["Ready"] == ready, doc
+        assert _conditions(status)["Progressing"][0] == ("False" if ready[0] == "True" else "True")
+        assert status.observed_generation == 3
+
+
+def test_leak_check_failures_degrade():
+    sdd = _sdd()
+    h = sdd.spec.config_hash()
+    doc = gateway_doc(sdd.spec, [actor("r0", h, leaks=2), actor("r1", h)])
+    status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
+    assert _conditions(status)["Degraded"] == ("True", "LeakCheckFailed")
+    assert status.leak_check_failures == 2
+
+
+def test_plain_decode_reports_speculation_off():
+    sdd = _sdd(speculative=False)
+    doc = gateway_doc(sdd.spec, [actor("r0", sdd.spec.config_hash(), speculating=False)])
+    status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
+    assert _conditions(status)["SpeculationEffective"] == ("False", "SpeculationOff")
+    assert status.speculation is None
+
+
+def test_transition_time_moves_only_when_the_status_changes():
+    sdd = _sdd()
+    h = sdd.spec.config_hash()
+    doc = gateway_doc(sdd.spec, [actor("r0", h), actor("r1", h)])
+    first = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), "T1")
+    again = compute_status(Observation(1, sdd, gateway=doc), first, "T2")
+    assert {c.last_transition_time for c in again.conditions} == {"T1"}
+    down = compute_status(Observation(1, sdd, gateway=None, gateway_error="x"), again, "T3")
+    times = {c.type: c.last_transition_time for c in down.conditions}
+    assert times["Ready"] == "T3" and times["Degraded"] == "T1"
+
+
+def test_merge_patch_removes_what_is_gone():
+    old = {"a": 1, "b": {"c": 2, "d": 3}, "e": [1]}
+    new = {"a": 1, "b": {"c": 4}, "f": 5}
+    assert merge_patch(old, new) == {"b": {"c": 4, "d": None}, "e": None, "f": 5}
