@@ -10,6 +10,7 @@ import pytest
 
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 from specd.workers.testing import (
+    check_exact_run,
     check_small_pool_run,
     hf_greedy,
     metric_value,
@@ -47,17 +48,7 @@ def test_greedy_equals_transformers(tiny_models, references, variant, page_size)
         kvCache={"pageSize": page_size, "maxTokens": 4096},
         scheduler={"chunkedPrefillSize": 8},
     )
-    try:
-        single = run_all(engine, prompts[:1], max_tokens=MAX_NEW, ignore_eos=True)
-        assert single[0][0] == expected[0]
-        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
-        assert [r[0] for r in results] == expected
-        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
-        assert engine.status()["healthy"]
-    finally:
-        engine.shutdown()
-    assert engine.allocator.used_tokens == 0
-    engine.kv.check_integrity()
+    check_exact_run(engine, prompts, expected, MAX_NEW)
 
 
 def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references):

@@ -16,6 +16,7 @@ from specd.workers.engine.engine import check_backend_supports_layout
 from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.sizing import SpecShape
 from specd.workers.testing import (
+    check_exact_run,
     check_small_pool_run,
     hf_greedy,
     metric_value,
@@ -69,21 +70,10 @@ def spec_engine(
 
 
 def run_and_check(engine, prompts, expected):
-    """Batch 1 then all prompts concurrently; exact output, healthy, KV back to 0."""
-    try:
-        single = run_all(engine, prompts[:1], max_tokens=MAX_NEW, ignore_eos=True)
-        assert single[0][0] == expected[0]
-        results = run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)
-        assert [r[0] for r in results] == expected
-        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
-        assert wait_idle(engine)
-        assert engine.status()["healthy"], engine.status()["last_error"]
-        assert metric_value(engine, "specd_leak_checks_total") > 0
-        assert metric_value(engine, "specd_leak_check_failures_total") == 0
-    finally:
-        engine.shutdown()
-    assert engine.allocator.used_tokens == 0
-    engine.kv.check_integrity()
+    """Exact at batch 1 and concurrently, KV back to 0, strict checks ran and passed."""
+    results = check_exact_run(engine, prompts, expected, MAX_NEW)
+    assert metric_value(engine, "specd_leak_checks_total") > 0
+    assert metric_value(engine, "specd_leak_check_failures_total") == 0
     return results
 
 

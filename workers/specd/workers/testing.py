@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from specd.workers.config import spec_for_model
 from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import GenerateRequest, SamplingParams
+from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 
 
 def start_engine(model_path, **overrides) -> Engine:
@@ -95,3 +95,22 @@ def check_small_pool_run(engine: Engine, prompts, expected, max_tokens: int) -> 
         assert wait_idle(engine)
     finally:
         engine.shutdown()
+
+
+def check_exact_run(engine: Engine, prompts, expected, max_tokens: int):
+    """Batch 1, then every prompt concurrently: greedy outputs equal ``expected``, every
+    request ends on its length, the engine stays healthy and goes back to idle with no
+    KV held.  Shuts the engine down; returns the concurrent run's results."""
+    try:
+        single = run_all(engine, prompts[:1], max_tokens=max_tokens, ignore_eos=True)
+        assert single[0][0] == expected[0]
+        results = run_all(engine, prompts, max_tokens=max_tokens, ignore_eos=True)
+        assert [r[0] for r in results] == expected
+        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
+        assert wait_idle(engine)
+        assert engine.status()["healthy"], engine.status()["last_error"]
+    finally:
+        engine.shutdown()
+    assert engine.allocator.used_tokens == 0
+    engine.kv.check_integrity()
+    return results
