@@ -7,6 +7,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 from tokenizers import Tokenizer
 
@@ -15,6 +16,7 @@ from specd.workers.debug_toggles import reverted_behaviours
 from specd.workers.engine.engine import check_backend_supports_layout
 from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.sizing import SpecShape
+from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.testing import (
     check_exact_run,
     check_small_pool_run,
@@ -343,3 +345,23 @@ def test_tail_duplication_toggle_changes_the_drafts(demo_reference, monkeypatch)
     broken = demo_run(demo_engine(kvCache={"pageSize": 16}, speculative=tree), prompts)
     assert [r[0] for r in broken] == expected  # verify keeps it lossless
     assert per_request_acceptance(broken) != per_request_acceptance(flat)
+
+
+def test_seq_lens_refresh_is_the_one_place_host_lengths_change():
+    """Seed 001: producers only touch the device lengths and mark the sum stale; the
+    host copy and sum are recomputed by refresh_seq_lens_cpu alone (lazily if needed)."""
+    lens = SeqLens([5, 9], "cpu")
+    assert (lens.host(), lens.seq_lens_sum, lens.num_syncs) == ([5, 9], 14, 0)
+    lens.advance(torch.tensor([2, 1]))
+    assert lens.seq_lens_sum is None and lens.seq_lens_cpu.tolist() == [5, 9]
+    lens.refresh_seq_lens_cpu(sync=False)  # host copy not refreshed: sum of the stale copy
+    assert lens.seq_lens_sum == 14 and lens.num_syncs == 0
+    lens.advance(torch.tensor([0, 3]))
+    assert lens.host() == [7, 13] and lens.seq_lens_sum == 20 and lens.num_syncs == 1
+
+
+def test_each_verify_step_syncs_lengths_once(pair, reference):
+    prompts, expected = reference
+    engine = spec_engine(pair, 4, 3, 4)
+    run_and_check(engine, prompts, expected)
+    assert engine.spec_decoder.last_seq_lens.num_syncs == 1

@@ -33,6 +33,7 @@ from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.layout import TreeLayout
+from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.speculative.tree import (
     DraftTree,
     StepOut,
@@ -95,6 +96,7 @@ class SpecDecoder:
         self.backend = backend
         self.device = device
         self.states: dict[str, DraftState] = {}  # rid -> state; compute side only
+        self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
 
     def drop(self, rids: list[str]) -> None:
         """Forget requests that were finished or retracted."""
@@ -170,7 +172,11 @@ class SpecDecoder:
         result = self._accept(reqs, tree, logits)
         self._move_accepted_kv(reqs, roots, result)
         features = self.head.features(hidden, aux).view(len(reqs), tree.num_tokens, -1)
-        n_new = result.num_new_tokens.tolist()
+        seq_lens = SeqLens(roots, self.device)  # tokens before each root
+        seq_lens.advance(result.num_new_tokens)
+        seq_lens.refresh_seq_lens_cpu(sync=True)  # the step's one length sync (seed 001)
+        self.last_seq_lens = seq_lens
+        n_new = [new - old for new, old in zip(seq_lens.host(), roots, strict=True)]
         tokens = [t[:n] for t, n in zip(result.accepted_tokens.tolist(), n_new, strict=True)]
         index = result.accept_index.tolist()
         path_features = [
