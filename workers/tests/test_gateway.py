@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import specd
 from specd.workers.config import spec_for_model
+from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.gateway import Gateway
 from specd.workers.pool import PoolController
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
@@ -406,6 +407,32 @@ async def test_pool_backs_off_a_replica_that_cannot_start(ray_cluster, tmp_path)
         assert pool.status()["ready_replicas"] == 0 and pool.pick() is None
     finally:
         await pool.stop(drain_timeout_s=1)
+
+
+async def test_replacement_controller_adopts_running_actors(ray_cluster, model_dir):
+    """A gateway that goes away leaves its detached engine actors running; the next
+    controller of the same deployment adopts them by name instead of starting new ones,
+    and requests on them still work."""
+    spec = spec_for_model(model_dir, replicas=1, model={"name": MODEL}, resources={"cpu": 0.5})
+    first = PoolController(spec, name="adopt", health_interval_s=0.2)
+    await first.start()
+    second = PoolController(spec, name="adopt", health_interval_s=0.2)
+    try:
+        assert await first.wait_converged(90)
+        [old] = first.ready()
+        await first.detach()  # the old gateway is gone; its actor is not
+        await second.start()
+        assert await second.wait_converged(30)
+        [adopted] = second.ready()
+        assert (adopted.name, adopted.actor_name) == (old.name, old.actor_name)
+        assert [e["event"] for e in second.events] == ["adopted"]
+        request = GenerateRequest("adopted", (5, 6, 7), SamplingParams(max_tokens=4))
+        deltas = [d async for d in second.stream(adopted, request)]
+        assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 4
+    finally:
+        await second.stop(drain_timeout_s=1)
+        await first.stop(drain_timeout_s=1)
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("specd-adopt-")]
 
 
 # -- failures and updates (slow) ----------------------------------------------------------

@@ -95,10 +95,12 @@ def create_engine_actor(
     """Start an actor serving ``spec``; it is ready once ``info()`` answers.
 
     ``max_restarts=0``: the pool controller replaces a dead actor itself (under a new
-    replica name) so that the dead one's in-flight requests fail cleanly.
+    replica name) so that the dead one's in-flight requests fail cleanly.  Detached, so
+    the actor outlives a gateway that dies: the next gateway adopts it by name.
     """
     return _RemoteEngineActor.options(
         name=actor_name,
+        lifetime="detached",
         num_gpus=spec.resources.gpus,
         num_cpus=spec.resources.cpu,
         max_restarts=0,

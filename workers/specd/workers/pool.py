@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -179,9 +180,55 @@ class PoolController:
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
-        """Begin reconciling (returns at once; see `wait_converged`)."""
+        """Adopt this deployment's running actors, then begin reconciling (returns once
+        adoption is done; see `wait_converged`)."""
         if self._monitor is None:
+            await self._adopt_running_actors()
             self._monitor = asyncio.create_task(self._monitor_loop(), name="specd-pool-monitor")
+
+    async def detach(self) -> None:
+        """Stop reconciling and forget every actor without draining or killing it, so a
+        new controller (a replacement gateway) adopts them; their requests keep running."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        for task in list(self._tasks):
+            task.cancel()
+        self._replicas.clear()
+
+    async def _adopt_running_actors(self) -> None:
+        """A gateway restart must not drop running replicas: engine actors are detached
+        and named ``specd-<deployment>-...``; ready ones found in the Ray namespace are
+        taken over as they are (a different config hash is rolled as usual), anything
+        that does not answer or is draining is killed."""
+        if not ray.is_initialized():
+            return
+        mine = re.compile(rf"specd-{re.escape(self.name)}-[0-9a-f]{{6}}-r[0-9]+")
+        for actor_name in sorted(n for n in ray.util.list_named_actors() if mine.fullmatch(n)):
+            try:
+                handle = ray.get_actor(actor_name)
+                info = await asyncio.wait_for(handle.info.remote(), self.probe_timeout_s)
+                load = await asyncio.wait_for(handle.status.remote(), self.probe_timeout_s)
+            except (TimeoutError, RayError, ValueError) as err:
+                self._event("-", "not adopted", f"actor {actor_name}: {_describe(err)}")
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(actor_name), no_restart=True)
+                continue
+            replica = Replica(
+                info["replica"], actor_name, handle, info["config_hash"], ReplicaState.READY
+            )
+            replica.info, replica.load = info, load
+            if load.get("draining") or replica.name in self._replicas:
+                self._kill(replica)
+                continue
+            self._replicas[replica.name] = replica
+            self._event(
+                replica.name, "adopted", f"actor {actor_name}, config {replica.config_hash}"
+            )
+        numbers = [int(n[1:]) for n in self._replicas if n[1:].isdigit()]
+        self._seq = itertools.count(max(numbers, default=-1) + 1)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain every replica (in parallel), kill them, stop reconciling."""
