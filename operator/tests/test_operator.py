@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import yaml
 from kopf.testing import KopfRunner
+from prometheus_client.parser import text_string_to_metric_families
 
 from specd.operator.children import ChildOptions
 from specd.operator.handlers import build_registry, operator_settings
@@ -445,3 +450,54 @@ def test_kubectl_apply_get_and_scale(cluster):
     assert proc.returncode != 0
     assert "numDraftTokens must be at most topk * numSteps + 1" in proc.stderr
     assert sdd(cluster, "bad") is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_specd_operator_process_serves_metrics_and_liveness(cluster):
+    """`specd operator` as users run it (its own process, kubeconfig login): it
+    reconciles a new SDD, answers its liveness probe, exports its own metrics, and
+    exits cleanly on SIGTERM."""
+    metrics_port, live_port = _free_port(), _free_port()
+    cmd = [
+        sys.executable, "-m", "specd.workers.cli", "operator", "--namespace", NAMESPACE,
+        "--standalone", "--poll-interval", "0.5", "--metrics-port", str(metrics_port),
+        "--liveness", f"http://127.0.0.1:{live_port}/healthz",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        create(cluster, _demo_spec_doc())
+        cluster.wait_for(
+            lambda: cluster.get(cluster.configmaps, "demo-config"), 60, "the operator's ConfigMap"
+        )
+        cluster.wait_for(
+            lambda: _get(f"http://127.0.0.1:{live_port}/healthz") == 200, 30, "liveness"
+        )
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        reconciles = {
+            (s.labels["trigger"], s.labels["result"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "specd_operator_reconciles"
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        assert sum(v for (_, result), v in reconciles.items() if result == "ok") >= 1, reconciles
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+    assert proc.returncode == 0, output
+
+
+def _get(url: str) -> int | None:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status
+    except OSError:
+        return None

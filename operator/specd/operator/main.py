@@ -35,15 +35,18 @@ def run_operator(
     if metrics_port is not None:
         ctx.metrics.serve(metrics_port)
     logging.getLogger("kopf").setLevel(logging.INFO)
+    settings = operator_settings()
+    # Peering through settings: kopf's `peering_name=` argument would switch peering
+    # on (and wait for the KopfPeering CRD) even with `standalone=True`.
+    settings.peering.name = PEERING_NAME
+    settings.peering.standalone = standalone
+    settings.peering.priority = priority
     asyncio.run(
         kopf.operator(
             registry=build_registry(ctx),
-            settings=operator_settings(),
+            settings=settings,
             clusterwide=clusterwide,
             namespaces=namespaces or [],
-            standalone=standalone,
-            peering_name=PEERING_NAME,
-            priority=priority,
             liveness_endpoint=liveness,
         )
     )
