@@ -477,15 +477,12 @@ def test_specd_operator_process_serves_metrics_and_liveness(cluster):
         cluster.wait_for(
             lambda: _get(f"http://127.0.0.1:{live_port}/healthz") == 200, 30, "liveness"
         )
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
-        reconciles = {
-            (s.labels["trigger"], s.labels["result"]): s.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "specd_operator_reconciles"
-            for s in family.samples
-            if s.name.endswith("_total")
-        }
-        assert sum(v for (_, result), v in reconciles.items() if result == "ok") >= 1, reconciles
+        reconciles = cluster.wait_for(
+            lambda: _ok_reconciles(f"http://127.0.0.1:{metrics_port}/metrics"),
+            30,
+            "an ok reconcile in the operator's own metrics",
+        )
+        assert reconciles >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -494,6 +491,18 @@ def test_specd_operator_process_serves_metrics_and_liveness(cluster):
             proc.kill()
             output = proc.communicate()[0]
     assert proc.returncode == 0, output
+
+
+def _ok_reconciles(url: str) -> float:
+    """``specd_operator_reconciles_total{result="ok"}`` summed over triggers."""
+    text = urllib.request.urlopen(url, timeout=2).read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "specd_operator_reconciles"
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels["result"] == "ok"
+    )
 
 
 def _get(url: str) -> int | None:
