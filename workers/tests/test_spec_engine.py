@@ -365,3 +365,32 @@ def test_each_verify_step_syncs_lengths_once(pair, reference):
     engine = spec_engine(pair, 4, 3, 4)
     run_and_check(engine, prompts, expected)
     assert engine.spec_decoder.last_seq_lens.num_syncs == 1
+
+
+def test_stop_string_inside_accepted_tokens_cuts_like_plain_decode(demo_reference):
+    """A stop string completed in the middle of a verify's accepted tokens ends the
+    output at that token, exactly as one-token-at-a-time decoding does: same token ids,
+    text, finish reason and completion_tokens, for stop strings taken from many
+    positions of the output (so some fall inside multi-token verify results)."""
+    prompts, _ = demo_reference
+    tok = Tokenizer.from_file(str(DEMO / "demo-target" / "tokenizer.json"))
+    plain = start_engine(str(DEMO / "demo-target"))
+    spec = demo_engine(speculative={"numSteps": 5, "topk": 1, "numDraftTokens": 6})
+    try:
+        [(tokens, text, _)] = run_all(plain, prompts[:1], max_tokens=48, ignore_eos=True)
+        needles = {tok.decode([t]).strip() for t in tokens[4:44]} - {""}
+        needles = sorted(n for n in needles if n in text)
+        assert len(needles) >= 5
+
+        def outcomes(engine):
+            runs = [
+                run_all(engine, prompts[:1], max_tokens=48, ignore_eos=True, stop=(n,))[0]
+                for n in needles
+            ]
+            return [(r[0], r[1], r[2].finish_reason, r[2].usage.completion_tokens) for r in runs]
+
+        assert outcomes(spec) == outcomes(plain)
+        assert metric_value(spec, "specd_spec_accepted_tokens_total") > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()

@@ -526,13 +526,13 @@ class Engine:
         if stream is None:
             return
         now = time.monotonic()
-        new_tokens = req.output_ids[stream.sent_tokens :]
-        if new_tokens:
-            self._observe_token_times(req, now, len(new_tokens))
-        text = stream.detok.feed(req.fill_ids, final=req.finished)
+        text = self._feed_detokenizer(req, stream)
         if stream.detok.stopped and not req.finished:
             self.scheduler.finish(req, FinishReason.STOP)
             text += stream.detok.feed(req.fill_ids, final=True)
+        new_tokens = req.output_ids[stream.sent_tokens :]
+        if new_tokens:
+            self._observe_token_times(req, now, len(new_tokens))
         stream.sent_tokens = len(req.output_ids)
         delta = GenerateDelta(
             rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished
@@ -542,6 +542,23 @@ class Engine:
             del self._streams[req.rid]
         with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    @staticmethod
+    def _feed_detokenizer(req: Req, stream: _Stream) -> str:
+        """New text of ``req``.  With stop strings and several new tokens (a verify step
+        adds up to S + 1), tokens are fed one at a time and those after the token that
+        completes a stop string are dropped, as if they had come one step at a time."""
+        new = len(req.output_ids) - stream.sent_tokens
+        if not stream.detok.stop or new <= 1:
+            return stream.detok.feed(req.fill_ids, final=req.finished)
+        base = len(req.prompt_ids) + stream.sent_tokens
+        text = ""
+        for i in range(1, new + 1):
+            text += stream.detok.feed(req.fill_ids[: base + i], final=req.finished and i == new)
+            if stream.detok.stopped:
+                del req.output_ids[stream.sent_tokens + i :]
+                break
+        return text
 
     def _observe_token_times(self, req: Req, now: float, count: int) -> None:
         self.metrics.generation_tokens.inc(count)
