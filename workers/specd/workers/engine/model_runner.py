@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import torch
 
-from specd.kernels import AttentionBackend, build_attention_metadata
+from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_metadata
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
+
+
+def extend_layout(
+    req_to_token: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    lens: list[int],
+    custom_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Row ``rows[i]`` fills positions ``[starts[i], starts[i] + lens[i])``: -> (flattened
+    positions, the KV slots they write, attention metadata reading ``[0, start + n)``)."""
+    device = req_to_token.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    positions = torch.cat(
+        [torch.arange(s, s + n, device=device) for s, n in zip(starts, lens, strict=True)]
+    )
+    out_loc = req_to_token[rows_t.repeat_interleave(torch.tensor(lens, device=device)), positions]
+    kv_lens = [s + n for s, n in zip(starts, lens, strict=True)]
+    meta = build_attention_metadata(req_to_token, rows_t, list(lens), kv_lens, custom_mask)
+    return positions, out_loc, meta
 
 
 class ModelRunner:
@@ -27,34 +47,24 @@ class ModelRunner:
         self.backend = backend
         self.device = device
 
-    def _inputs(self, batch: ScheduledBatch):
-        """Flattened token ids, positions and the KV slots they write, in batch order."""
-        ids, positions, rows = [], [], []
-        for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True):
-            ids.extend(req.fill_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            rows.append(req.kv.row)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        table = self.req_pool.req_to_token
-        out_cache_loc = table[
-            rows_t.repeat_interleave(torch.tensor(batch.extend_lens, device=self.device)),
-            positions_t,
-        ]
-        return input_ids, positions_t, rows_t, out_cache_loc
-
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None = None
     ) -> RunnerOutput:
         """Extend/decode forward + sampling.  With ``capture_layers`` (a speculative
         engine) the output also carries every row's hidden state and those layers'."""
-        input_ids, positions, rows, out_cache_loc = self._inputs(batch)
-        kv_lens = [p + n for p, n in zip(batch.prefix_lens, batch.extend_lens, strict=True)]
-        meta = build_attention_metadata(
-            self.req_pool.req_to_token, rows, list(batch.extend_lens), kv_lens
+        positions, out_cache_loc, meta = extend_layout(
+            self.req_pool.req_to_token,
+            [r.kv.row for r in batch.reqs],
+            list(batch.prefix_lens),
+            list(batch.extend_lens),
         )
+        ids = [
+            t
+            for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True)
+            for t in req.fill_ids[start : start + n]
+        ]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.kernels import AttentionBackend, build_attention_metadata, build_metadata_from_slots
+from specd.kernels import AttentionBackend, build_metadata_from_slots
+from specd.workers.engine.model_runner import extend_layout
 from specd.workers.engine.sampling import filtered_probs, request_generator
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -138,14 +139,9 @@ class SpecDecoder:
         if not reqs:
             return []
         lens = [len(t) for t in token_ids]
-        rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64, device=self.device)
-        positions = torch.cat(
-            [torch.arange(s, s + n, device=self.device) for s, n in zip(starts, lens, strict=True)]
+        positions, out_loc, meta = extend_layout(
+            self.req_pool.req_to_token, [r.kv.row for r in reqs], starts, lens
         )
-        table = self.req_pool.req_to_token
-        out_loc = table[rows.repeat_interleave(torch.tensor(lens, device=self.device)), positions]
-        kv_lens = [s + n for s, n in zip(starts, lens, strict=True)]
-        meta = build_attention_metadata(table, rows, lens, kv_lens)
         ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
         next_feats, logit_hidden = self.head.forward(
             ids, torch.cat(features), positions, self._draft_ctx(meta, out_loc)
@@ -176,18 +172,19 @@ class SpecDecoder:
         seq_lens.advance(result.num_new_tokens)
         seq_lens.refresh_seq_lens_cpu(sync=True)  # the step's one length sync (seed 001)
         self.last_seq_lens = seq_lens
-        n_new = [new - old for new, old in zip(seq_lens.host(), roots, strict=True)]
+        new_roots = seq_lens.host()
+        n_new = [new - old for new, old in zip(new_roots, roots, strict=True)]
         tokens = [t[:n] for t, n in zip(result.accepted_tokens.tolist(), n_new, strict=True)]
         index = result.accept_index.tolist()
         path_features = [
             features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
         ]
         outputs = self._draft_extend(reqs, roots, tokens, path_features)
-        for req, root, toks, (feats, hidden_) in zip(reqs, roots, tokens, outputs, strict=True):
-            self.states[req.rid] = DraftState(root + len(toks), toks[-1], feats, hidden_)
+        for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
+            self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
         return SpecStepOut(
             new_tokens=tuple(tuple(t) for t in tokens),
-            accept_lens=tuple(result.accept_len.tolist()),
+            accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
         )
 
     def _check_writes_inside_allocation(
@@ -284,21 +281,15 @@ class SpecDecoder:
         self, reqs: list[Req], roots: list[int], tree: DraftTree
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Target over the T nodes of every tree, written at ``[root, root + T)``."""
-        t = tree.num_tokens
-        rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64, device=self.device)
-        roots_t = torch.tensor(roots, device=self.device)
-        table = self.req_pool.req_to_token
-        offsets = torch.arange(t, device=self.device)
-        out_loc = table[rows[:, None], roots_t[:, None] + offsets[None, :]].flatten()
-        meta = build_attention_metadata(
-            table,
-            rows,
-            [t] * len(reqs),
-            [root + t for root in roots],
-            custom_mask=tree_attention_mask_for_verify(tree, roots),
+        _, out_loc, meta = extend_layout(  # the nodes' RoPE positions are root + depth
+            self.req_pool.req_to_token,
+            [r.kv.row for r in reqs],
+            roots,
+            [tree.num_tokens] * len(reqs),
+            tree_attention_mask_for_verify(tree, roots),
         )
         ctx = ForwardContext(self.backend.plan(meta), out_loc, self.target_pool, self.backend)
-        positions = tree.positions(roots_t).flatten()
+        positions = tree.positions(torch.tensor(roots, device=self.device)).flatten()
         return self.target.forward_with_aux(
             tree.tokens.flatten(), positions, ctx, self.head.capture_layers
         )
