@@ -90,9 +90,20 @@ class EngineMetrics:
         ).labels(replica)
         self.replica = replica
         self.engine_healthy.set(1)
+        # Plain-number copies of the counters /admin/status reports (the operator's input)
+        self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.leak_failures = 0
+
+    def leak_check_failed(self) -> None:
+        self.leak_check_failures.inc()
+        self.leak_failures += 1
 
     def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens_per_verify: int) -> None:
         """Account one verify batch: accept_lens are accepted drafts per request."""
+        totals = self.spec_totals
+        totals["verify_steps"] += len(accept_lens)
+        totals["draft_tokens"] += draft_tokens_per_verify * len(accept_lens)
+        totals["accepted_tokens"] += sum(accept_lens)
         self.spec_verify_steps.inc(len(accept_lens))
         self.spec_draft_tokens.inc(draft_tokens_per_verify * len(accept_lens))
         self.spec_accepted_tokens.inc(sum(accept_lens))

@@ -143,6 +143,12 @@ def plan_reconcile(
 ActorFactory = Callable[..., Any]
 
 
+def actor_name(deployment: str, token: str, replica: str) -> str:
+    """Ray name of an engine actor; ``token`` (6 hex digits) tells gateways apart, and a
+    new gateway adopts every actor whose name matches its deployment (see `start`)."""
+    return f"specd-{deployment}-{token}-{replica}"
+
+
 def _describe(err: BaseException) -> str:
     """One line for logs and status: Ray errors carry whole tracebacks."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
@@ -189,6 +195,11 @@ class PoolController:
     async def detach(self) -> None:
         """Stop reconciling and forget every actor without draining or killing it, so a
         new controller (a replacement gateway) adopts them; their requests keep running."""
+        await self._stop_reconciling()
+        self._replicas.clear()
+
+    async def _stop_reconciling(self) -> None:
+        """Cancel the monitor loop and every start/retire task."""
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -196,7 +207,6 @@ class PoolController:
             self._monitor = None
         for task in list(self._tasks):
             task.cancel()
-        self._replicas.clear()
 
     async def _adopt_running_actors(self) -> None:
         """A gateway restart must not drop running replicas: engine actors are detached
@@ -205,40 +215,32 @@ class PoolController:
         that does not answer or is draining is killed."""
         if not ray.is_initialized():
             return
-        mine = re.compile(rf"specd-{re.escape(self.name)}-[0-9a-f]{{6}}-r[0-9]+")
-        for actor_name in sorted(n for n in ray.util.list_named_actors() if mine.fullmatch(n)):
+        mine = re.compile(actor_name(re.escape(self.name), "[0-9a-f]{6}", "r[0-9]+"))
+        for ray_name in sorted(n for n in ray.util.list_named_actors() if mine.fullmatch(n)):
             try:
-                handle = ray.get_actor(actor_name)
+                handle = ray.get_actor(ray_name)
                 info = await asyncio.wait_for(handle.info.remote(), self.probe_timeout_s)
                 load = await asyncio.wait_for(handle.status.remote(), self.probe_timeout_s)
             except (TimeoutError, RayError, ValueError) as err:
-                self._event("-", "not adopted", f"actor {actor_name}: {_describe(err)}")
+                self._event("-", "not adopted", f"actor {ray_name}: {_describe(err)}")
                 with contextlib.suppress(Exception):
-                    ray.kill(ray.get_actor(actor_name), no_restart=True)
+                    ray.kill(ray.get_actor(ray_name), no_restart=True)
                 continue
             replica = Replica(
-                info["replica"], actor_name, handle, info["config_hash"], ReplicaState.READY
+                info["replica"], ray_name, handle, info["config_hash"], ReplicaState.READY
             )
             replica.info, replica.load = info, load
             if load.get("draining") or replica.name in self._replicas:
                 self._kill(replica)
                 continue
             self._replicas[replica.name] = replica
-            self._event(
-                replica.name, "adopted", f"actor {actor_name}, config {replica.config_hash}"
-            )
+            self._event(replica.name, "adopted", f"actor {ray_name}, config {replica.config_hash}")
         numbers = [int(n[1:]) for n in self._replicas if n[1:].isdigit()]
         self._seq = itertools.count(max(numbers, default=-1) + 1)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Drain every replica (in parallel), kill them, stop reconciling."""
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
-        for task in list(self._tasks):
-            task.cancel()
+        await self._stop_reconciling()
         timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         await asyncio.gather(
             *(
@@ -405,11 +407,11 @@ class PoolController:
     def _launch(self) -> Replica:
         """Create an actor for the current spec (synchronously, so the next plan counts it)."""
         name = f"r{next(self._seq)}"
-        actor_name = f"specd-{self.name}-{self._token}-{name}"
-        handle = self._actor_factory(self.spec, replica=name, actor_name=actor_name)
-        replica = Replica(name, actor_name, handle, self.spec.config_hash())
+        ray_name = actor_name(self.name, self._token, name)
+        handle = self._actor_factory(self.spec, replica=name, actor_name=ray_name)
+        replica = Replica(name, ray_name, handle, self.spec.config_hash())
         self._replicas[name] = replica
-        self._event(name, "starting", f"actor {actor_name}, config {replica.config_hash}")
+        self._event(name, "starting", f"actor {ray_name}, config {replica.config_hash}")
         return replica
 
     async def _wait_started(self, replica: Replica) -> None:

@@ -135,8 +135,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._status: dict = {}
         self.step_seconds = {"host": 0.0, "model": 0.0}  # loop time outside / inside the model
-        self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
-        self.leak_check_failures = 0
         self.overlap = spec.scheduler.overlap
         self._compute = _Compute(self.overlap, f"specd-compute-{replica}")
         self._pending: tuple[ScheduledBatch, Future] | None = None  # verify in flight
@@ -495,10 +493,6 @@ class Engine:
             n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live
         )
         self.metrics.observe_verify(accepted, self.spec_shape.max_draft_tokens - 1)
-        totals = self.spec_totals
-        totals["verify_steps"] += len(accepted)
-        totals["draft_tokens"] += len(accepted) * (self.spec_shape.max_draft_tokens - 1)
-        totals["accepted_tokens"] += sum(accepted)
         for req in updated:
             self._emit(req)
 
@@ -596,15 +590,13 @@ class Engine:
             self.kv.check_integrity()
             self.scheduler.check_committed_lengths()
         except AssertionError:
-            self.metrics.leak_check_failures.inc()
-            self.leak_check_failures += 1
+            self.metrics.leak_check_failed()
             raise
 
     def _on_idle(self) -> None:
         """Idle leak check: with nothing running, every page and row must be free."""
         if self.kv.allocator.used_tokens or self.req_pool.num_free != self.req_pool.num_rows:
-            self.metrics.leak_check_failures.inc()
-            self.leak_check_failures += 1
+            self.metrics.leak_check_failed()
             self.healthy = False
             self.last_error = (
                 f"KV leak at idle: {self.kv.allocator.used_tokens} tokens used, "
@@ -641,7 +633,7 @@ class Engine:
             "kv_usage": a.used_tokens / a.total_tokens,
             "retractions": s.num_retractions,
             "kv_reserved_tokens": self.kv.reserved_tokens,
-            "leak_check_failures": self.leak_check_failures,
+            "leak_check_failures": self.metrics.leak_failures,
             # cumulative; mean accept length = 1 + accepted_tokens / verify_steps
-            "speculation": dict(self.spec_totals) if self.spec_shape is not None else None,
+            "speculation": dict(self.metrics.spec_totals) if self.spec_shape is not None else None,
         }
