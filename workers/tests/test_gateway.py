@@ -129,23 +129,9 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def gateway(ray_cluster, model_dir):
+def gateway(serve_gateway, model_dir):
     spec = spec_for_model(model_dir, replicas=2, model={"name": MODEL}, resources={"cpu": 0.5})
-    gw = Gateway(
-        spec,
-        name="gwtest",
-        port=0,
-        drain_timeout_s=5,
-        pool_options={"health_interval_s": 0.3, "probe_timeout_s": 5},
-    )
-    thread = threading.Thread(target=lambda: asyncio.run(gw.run(handle_signals=False)), daemon=True)
-    thread.start()
-    assert gw.listening.wait(60), "gateway did not start listening"
-    _wait_for(gw.pool.converged, 90, "2 ready replicas")
-    yield gw
-    gw.stop()
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+    return serve_gateway(spec, "gwtest")
 
 
 @pytest.fixture()
@@ -287,6 +273,13 @@ BAD_INPUTS = {
         "messages[0].content",
     ),
     "unknown path": ("/v1/embeddings", {**M, "input": "x"}, 404, None),
+    "session_id, sessions disabled": (CMPL, {**A, "session_id": "x.y"}, 400, "session_id"),
+    "chat session_id, sessions disabled": (
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": "x"}], "session_id": "x.y"},
+        400,
+        "session_id",
+    ),
 }
 
 
@@ -300,6 +293,13 @@ def test_bad_input_is_an_openai_error(http, path, body, status, param):
     assert error["message"] and error["type"] and error["code"] == status
     if param:
         assert param in error["message"]
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/sessions"), ("DELETE", "/v1/sessions/x.y")])
+def test_session_routes_refused_when_sessions_are_disabled(http, method, path):
+    r = http.request(method, path)
+    assert r.status_code == 400, r.text
+    assert "spec.sessions.enabled" in r.json()["error"]["message"]
 
 
 def test_unknown_fields_are_ignored(http):

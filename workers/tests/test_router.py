@@ -1,10 +1,18 @@
-"""Replica routing (`router.pick_replica`) as a table.  No Ray cluster, no HTTP."""
+"""Replica routing (`router.pick_replica`, `pick_session_replica`) and session ids as
+tables.  No Ray cluster, no HTTP."""
 
 from __future__ import annotations
 
 import pytest
 
-from specd.workers.router import ReplicaLoad, pick_replica
+from specd.workers.pool import actor_name, replica_of_actor
+from specd.workers.router import (
+    ReplicaLoad,
+    parse_session_token,
+    pick_replica,
+    pick_session_replica,
+    session_token,
+)
 
 L = ReplicaLoad
 
@@ -31,3 +39,43 @@ ROUTING = {
 def test_pick_replica(replicas, expected):
     assert pick_replica(replicas) == expected
     assert pick_replica(reversed(replicas)) == expected  # order of the input never matters
+
+
+SESSION_ROUTING = {
+    "no replica": ([], None),
+    "fewer sessions wins over load": (
+        [L("r0", inflight=0, sessions_open=3), L("r1", inflight=4, sessions_open=1)],
+        "r1",
+    ),
+    "session tie -> least loaded": (
+        [L("r0", inflight=2, sessions_open=1), L("r1", inflight=1, sessions_open=1)],
+        "r1",
+    ),
+    "full tie -> name": ([L("r1"), L("r0")], "r0"),
+}
+
+
+@pytest.mark.parametrize("replicas,expected", SESSION_ROUTING.values(), ids=SESSION_ROUTING.keys())
+def test_pick_session_replica(replicas, expected):
+    assert pick_session_replica(replicas) == expected
+    assert pick_session_replica(reversed(replicas)) == expected
+
+
+@pytest.mark.parametrize("deployment", ["chat", "my.model-v2"])
+def test_session_token_round_trip(deployment):
+    ray_name = actor_name(deployment, "a1b2c3", "r12")
+    token = session_token(ray_name, "0123abcd")
+    assert parse_session_token(token) == (ray_name, "0123abcd")
+    assert replica_of_actor(ray_name) == "r12"
+
+
+MALFORMED = ["", "nodot", "actor.", ".sid", "a/b.c", "a.b c", "a.b?x", "x" * 400 + ".y"]
+
+
+@pytest.mark.parametrize("token", MALFORMED)
+def test_malformed_session_tokens(token):
+    assert parse_session_token(token) is None
+
+
+def test_replica_of_a_foreign_actor_name_is_the_name():
+    assert replica_of_actor("someone-else") == "someone-else"

@@ -4,6 +4,9 @@ The pool controller creates these with `create_engine_actor`; the gateway stream
 request with ``actor.generate.options(num_returns="streaming").remote(req)``.  Leaving
 that stream early (``ray.cancel`` on the generator) cancels the actor task, which
 closes the engine's generator and aborts the request inside the engine.
+
+Session calls answer a `SessionReply` instead of raising: Ray wraps an actor's
+exceptions, and the gateway needs the engine's status code as is.
 """
 
 from __future__ import annotations
@@ -11,19 +14,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
+from specd.workers.engine.types import (
+    FinishReason,
+    GenerateDelta,
+    GenerateRequest,
+    SessionError,
+)
 
 # Every in-flight stream holds one concurrency slot, and status/ping/abort calls must
 # never wait behind them.
 MAX_CONCURRENCY = 10_000
 _DRAIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReply:
+    """What a session call returned: ``session_id`` (open), or ``error`` and its HTTP
+    ``code`` (400 disabled, 404 unknown, 410 closed or expired, 429 full, 503 draining)."""
+
+    session_id: str | None = None
+    error: str | None = None
+    code: int = 200
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _session_call(fn: Callable[..., str | None], *args: Any) -> SessionReply:
+    try:
+        return SessionReply(session_id=fn(*args))
+    except SessionError as err:
+        return SessionReply(error=str(err), code=err.code)
 
 
 class EngineActor:
@@ -57,6 +87,16 @@ class EngineActor:
 
     async def abort(self, rid: str) -> None:
         self._engine.abort(rid)
+
+    async def open_session(self) -> SessionReply:
+        """A new streaming session on this replica (refused while draining)."""
+        if self._draining:
+            return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
+        return _session_call(self._engine.open_session)
+
+    async def close_session(self, session_id: str) -> SessionReply:
+        """Close a session; a turn in flight on it is aborted."""
+        return _session_call(self._engine.close_session, session_id)
 
     async def info(self) -> dict[str, Any]:
         """Static facts: answered once the model is loaded (the readiness signal)."""

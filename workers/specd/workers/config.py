@@ -153,8 +153,11 @@ class RaySpec(_Spec):
 
 
 class SessionsSpec(_Spec):
-    enabled: bool = False
-    timeout_seconds: float = Field(300, gt=0)
+    enabled: bool = Field(False, description="Serve /v1/sessions (multi-turn KV reuse)")
+    timeout_seconds: float = Field(300, gt=0, description="Idle sessions close after this")
+    max_sessions: int = Field(
+        64, ge=1, le=65536, description="Open sessions per replica (each holds a KV row)"
+    )
 
 
 class MetricsSpec(_Spec):
@@ -253,10 +256,6 @@ def refuse_unsupported(spec: DeploymentSpec) -> None:
         raise ConfigError(
             "spec.speculative.adaptive.enabled: adaptive speculation is not yet supported; "
             "set it to false"
-        )
-    if spec.sessions.enabled:
-        raise ConfigError(
-            "spec.sessions.enabled: streaming sessions are not yet supported; set it to false"
         )
     if spec.scheduler.overlap and spec.speculative is None:
         raise ConfigError(

@@ -12,6 +12,12 @@ answers with its real status code even when ``stream`` is set.  A replica that i
 draining or dies before producing output is skipped for another one; one that dies
 mid-stream ends the request with an error (503), never a hang.  A client that goes
 away cancels the Ray stream, which aborts the request in the engine.
+
+Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an id that
+names that replica's actor (`router.session_token`), so any gateway routes a turn
+(a generation request with ``session_id``) to it without shared state.  A turn goes
+to that replica only; if it has left the pool the session is gone (410).  A turn's
+prompt continues the session's history, so the gateway gives it no BOS of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import ray
@@ -51,10 +58,13 @@ from specd.workers.openai_protocol import (
     ModelCard,
     ModelList,
     ResponseFormat,
+    SessionDeleted,
+    SessionObject,
     UsageInfo,
     error_body,
 )
-from specd.workers.pool import PoolController, ReplicaError
+from specd.workers.pool import PoolController, Replica, ReplicaError, replica_of_actor
+from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +155,49 @@ def _failure(delta: GenerateDelta) -> ApiError | None:
     return None
 
 
+_SESSION_ERRORS = (404, 409, 410)  # unknown, a turn already in flight, closed or expired
+
+
+@dataclass(frozen=True, slots=True)
+class _SessionRoute:
+    """Where a session lives: its replica, and its id there (``engine_sid``)."""
+
+    session_id: str  # the id clients hold
+    replica: Replica
+    engine_sid: str
+
+    def in_gateway_terms(self, delta: GenerateDelta) -> GenerateDelta:
+        """A turn's session errors (404, 409, 410) name the field and the gateway's id;
+        an aborted turn means the session went away under it (closed, replica stopping)."""
+        if delta.finish_reason is FinishReason.ABORT:
+            message = (
+                f"session {self.session_id} was closed (or its replica stopped) while this turn ran"
+            )
+            return _error_delta(delta.rid, 410, _about("session_id", message))
+        if delta.error is None or delta.error_code not in _SESSION_ERRORS:
+            return delta
+        return replace(delta, error=_about("session_id", self.gateway_message(delta.error)))
+
+    def gateway_message(self, message: str) -> str:
+        """Engine messages name the engine's session id; clients know the gateway's."""
+        return message.replace(self.engine_sid, self.session_id)
+
+
+def _about(param: str | None, message: str) -> str:
+    """``"param: message"``: errors name the field they are about (see `_param_of_message`)."""
+    if param is None or message.startswith(f"{param}:"):
+        return message
+    return f"{param}: {message}"
+
+
+def _session_gone(session_id: str, ray_name: str, param: str | None) -> ApiError:
+    replica = replica_of_actor(ray_name)
+    message = (
+        f"session {session_id} was held by replica {replica}, which is gone; open a new session"
+    )
+    return ApiError(410, _about(param, message), param)
+
+
 async def _prepend(
     first: GenerateDelta, rest: AsyncGenerator[GenerateDelta, None]
 ) -> AsyncGenerator[GenerateDelta, None]:
@@ -209,17 +262,74 @@ class _Api:
             )
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        """Token ids as sent are used verbatim; text is tokenized (a turn without BOS)."""
         if isinstance(body.prompt, str):
             return list(self.tokenizer(body.prompt)["input_ids"])
         return list(body.prompt)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template over ``messages`` (a session turn: the new messages only)."""
         try:
-            return apply_chat_template(self.tokenizer, body.chat_messages())
+            ids = apply_chat_template(self.tokenizer, body.chat_messages())
         except Exception as err:  # jinja template errors: the messages do not fit the template
             raise ApiError(
                 400, f"messages: the model's chat template refused them: {err}", "messages"
             ) from err
+        return ids
+
+    # -- sessions -------------------------------------------------------------
+    def check_sessions_enabled(self, param: str | None) -> None:
+        if not self.pool.spec.sessions.enabled:
+            message = "sessions are disabled on this deployment (set spec.sessions.enabled: true)"
+            raise ApiError(400, _about(param, message), param)
+
+    def session_route(self, session_id: str, param: str | None) -> _SessionRoute:
+        """Where ``session_id`` lives: 404 if it is no session id, 410 if its replica has
+        left the pool (died, replaced, rolled out)."""
+        self.check_sessions_enabled(param)
+        parsed = parse_session_token(session_id)
+        if parsed is None:
+            raise ApiError(404, _about(param, f"no session {session_id!r}"), param)
+        ray_name, engine_sid = parsed
+        replica = self.pool.serving_actor(ray_name)
+        if replica is None:
+            raise _session_gone(session_id, ray_name, param)
+        return _SessionRoute(session_id, replica, engine_sid)
+
+    async def open_session(self) -> SessionObject:
+        """Open a session on the replica the router picks; a replica that is full (429),
+        draining or unreachable is skipped for the next one."""
+        self.check_sessions_enabled(None)
+        tried: set[str] = set()
+        refusal = ApiError(503, "no ready replica can open a session; retry shortly")
+        while (replica := self.pool.pick(exclude=tried, for_session=True)) is not None:
+            tried.add(replica.name)
+            replica.note_session_opened()  # before the call: concurrent opens spread
+            try:
+                reply = await self.pool.call(replica, "open_session")
+            except ReplicaError as err:
+                refusal = ApiError(503, str(err))
+                continue
+            if reply.ok:
+                token = session_token(replica.actor_name, reply.session_id)
+                return SessionObject(id=token, replica=replica.name)
+            refusal = ApiError(reply.code, reply.error)
+            if reply.code not in (429, 503):
+                break
+        raise refusal
+
+    async def close_session(self, session_id: str) -> SessionDeleted:
+        """Close ``session_id`` on its replica (a turn in flight is aborted)."""
+        route = self.session_route(session_id, None)
+        try:
+            reply = await self.pool.call(route.replica, "close_session", route.engine_sid)
+        except ReplicaError as err:
+            if err.lost:
+                raise _session_gone(session_id, route.replica.actor_name, None) from err
+            raise ApiError(503, str(err)) from err
+        if not reply.ok:
+            raise ApiError(reply.code, route.gateway_message(reply.error))
+        return SessionDeleted(id=session_id)
 
     async def generate(
         self,
@@ -230,8 +340,13 @@ class _Api:
         default_max_tokens: int,
     ) -> Response:
         rid = fmt.id_prefix + uuid.uuid4().hex
-        req = GenerateRequest(rid, tuple(prompt_ids), body.sampling_params(default_max_tokens))
-        deltas = self.deltas(req)
+        params = body.sampling_params(default_max_tokens)
+        if body.session_id is None:
+            deltas = self.deltas(GenerateRequest(rid, tuple(prompt_ids), params))
+        else:
+            route = self.session_route(body.session_id, "session_id")
+            req = GenerateRequest(rid, tuple(prompt_ids), params, route.engine_sid)
+            deltas = self.turn_deltas(req, route)
         try:
             first = await _unless_disconnected(request, anext(deltas))
             if (failure := _failure(first)) is not None:
@@ -273,6 +388,22 @@ class _Api:
                     yield _error_delta(req.rid, 503 if err.lost else 500, str(err))
                     return
         yield refusal
+
+    async def turn_deltas(
+        self, req: GenerateRequest, route: _SessionRoute
+    ) -> AsyncGenerator[GenerateDelta, None]:
+        """A session turn's deltas from its session's replica only: the history lives
+        there, so nothing is retried elsewhere; a replica lost meanwhile means 410."""
+        try:
+            async with contextlib.aclosing(self.pool.stream(route.replica, req)) as stream:
+                async for delta in stream:
+                    yield route.in_gateway_terms(delta)
+        except ReplicaError as err:
+            if err.lost:
+                gone = _session_gone(route.session_id, route.replica.actor_name, "session_id")
+                yield _error_delta(req.rid, gone.status, gone.message)
+            else:
+                yield _error_delta(req.rid, 500, str(err))
 
     async def respond(
         self,
@@ -368,6 +499,14 @@ def build_app(pool: PoolController, tokenizer: PreTrainedTokenizerBase) -> FastA
         # OpenAI's chat default: as long as the context allows (the engine stops there)
         default_max_tokens = max(1, context_length - len(prompt))
         return await api.generate(request, body, ChatFormat(), prompt, default_max_tokens)
+
+    @app.post("/v1/sessions")
+    async def open_session() -> Response:
+        return _json(await api.open_session())
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close_session(session_id: str) -> Response:
+        return _json(await api.close_session(session_id))
 
     @app.get("/v1/models")
     async def models() -> Response:

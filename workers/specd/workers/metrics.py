@@ -57,6 +57,10 @@ class EngineMetrics:
         self.prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("specd_generation_tokens", "Output tokens generated")
         self.retractions = counter("specd_retractions", "Requests retracted because KV ran out")
+        self.session_evictions = counter(
+            "specd_session_kv_evictions",
+            "Session KV freed under memory pressure (history kept; the next turn re-prefills)",
+        )
         self.aborts = counter("specd_aborts", "Requests aborted before finishing")
         self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
         self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
@@ -65,9 +69,18 @@ class EngineMetrics:
             "Engine loop time by phase (host bookkeeping vs model)",
             ["phase"],
         )
-        self.leak_checks = counter("specd_leak_checks", "Busy KV leak checks run (strict mode)")
-        self.leak_check_failures = counter(
-            "specd_leak_check_failures", "KV leak checks that found an imbalance"
+        self.leak_checks = counter(
+            "specd_leak_checks",
+            "KV leak checks run, by pool (token, req_to_token), mode (idle, busy) and result",
+            ["pool", "mode", "result"],
+        )
+        self.sessions_open = gauge("specd_sessions_open", "Streaming sessions open")
+        self.session_kv_tokens = gauge(
+            "specd_session_kv_tokens", "KV slots held by sessions between turns (whole pages)"
+        )
+        self.kv_reserve_ratio = gauge(
+            "specd_kv_reserve_usage_ratio",
+            "Share of the used KV slots that is speculative reserve (allocated beyond committed)",
         )
         self.spec_verify_steps = counter("specd_spec_verify_steps", "Speculative verify steps")
         self.spec_draft_tokens = counter(
@@ -89,14 +102,20 @@ class EngineMetrics:
             buckets=tuple(range(0, 17)),
         ).labels(replica)
         self.replica = replica
+        for pool in ("token", "req_to_token"):  # export zeros: alerts see "no failures"
+            for mode in ("idle", "busy"):
+                for result in ("ok", "fail"):
+                    self.leak_checks.labels(replica, pool, mode, result)
         self.engine_healthy.set(1)
         # Plain-number copies of the counters /admin/status reports (the operator's input)
         self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.leak_failures = 0
 
-    def leak_check_failed(self) -> None:
-        self.leak_check_failures.inc()
-        self.leak_failures += 1
+    def leak_check(self, pool: str, mode: str, ok: bool) -> None:
+        """Count one leak check of ``pool`` (``token`` or ``req_to_token``)."""
+        self.leak_checks.labels(self.replica, pool, mode, "ok" if ok else "fail").inc()
+        if not ok:
+            self.leak_failures += 1
 
     def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens_per_verify: int) -> None:
         """Account one verify batch: accept_lens are accepted drafts per request."""

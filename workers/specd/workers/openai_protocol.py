@@ -65,6 +65,9 @@ class _GenerationRequest(_Lenient):
         (), description="Extension: token ids that end the output"
     )
     ignore_eos: bool = Field(False, description="Extension: keep going past end-of-sequence")
+    session_id: str | None = Field(
+        None, description="Extension: append this request as a turn of the session"
+    )
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -294,6 +297,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class SessionObject(BaseModel):
+    """``POST /v1/sessions``: ``replica`` is informational; the id alone routes turns."""
+
+    id: str
+    object: Literal["session"] = "session"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    replica: str
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    deleted: bool = True
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -308,6 +326,8 @@ class ErrorResponse(BaseModel):
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    409: "conflict_error",
+    410: "gone_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }

@@ -35,7 +35,7 @@ from ray.exceptions import RayActorError, RayError
 from specd.workers.actor import create_engine_actor
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
-from specd.workers.router import ReplicaLoad, pick_replica
+from specd.workers.router import ReplicaLoad, pick_replica, pick_session_replica
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,14 @@ class Replica:
             queued_tokens=int(self.load.get("queued_tokens", 0)),
             inflight=self.inflight,
             kv_usage=float(self.load.get("kv_usage", 0.0)),
+            sessions_open=int(self.load.get("sessions_open", 0)),
         )
+
+    def note_session_opened(self) -> None:
+        """Count a session opening here until the next probe reports the real number
+        (so a burst of opens spreads over the replicas; a refused open is forgotten at
+        that probe too)."""
+        self.load["sessions_open"] = int(self.load.get("sessions_open", 0)) + 1
 
     @property
     def healthy(self) -> bool:
@@ -147,6 +154,12 @@ def actor_name(deployment: str, token: str, replica: str) -> str:
     """Ray name of an engine actor; ``token`` (6 hex digits) tells gateways apart, and a
     new gateway adopts every actor whose name matches its deployment (see `start`)."""
     return f"specd-{deployment}-{token}-{replica}"
+
+
+def replica_of_actor(ray_name: str) -> str:
+    """The replica name an `actor_name` ends with (the whole name if it is not one)."""
+    head, _, replica = ray_name.rpartition("-")
+    return replica if head.startswith("specd-") and re.fullmatch(r"r[0-9]+", replica) else ray_name
 
 
 def _describe(err: BaseException) -> str:
@@ -278,11 +291,32 @@ class PoolController:
     def ready(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.state is ReplicaState.READY]
 
-    def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
-        """The least-loaded ready replica not in ``exclude`` (see `router`)."""
+    def pick(
+        self, exclude: frozenset[str] | set[str] = frozenset(), *, for_session: bool = False
+    ) -> Replica | None:
+        """The least-loaded ready replica not in ``exclude``; ``for_session``: the one a
+        new session should go to (see `router`)."""
         candidates = {r.name: r for r in self.ready() if r.name not in exclude}
-        name = pick_replica(r.router_load() for r in candidates.values())
+        policy = pick_session_replica if for_session else pick_replica
+        name = policy(r.router_load() for r in candidates.values())
         return None if name is None else candidates[name]
+
+    def serving_actor(self, ray_name: str) -> Replica | None:
+        """The ready replica whose actor is named ``ray_name`` (session affinity)."""
+        return next((r for r in self.ready() if r.actor_name == ray_name), None)
+
+    async def call(self, replica: Replica, method: str, *args: Any) -> Any:
+        """``replica``'s actor ``method(*args)``; raises `ReplicaError` if it fails or
+        does not answer within the probe timeout."""
+        try:
+            ref = getattr(replica.handle, method).remote(*args)
+            return await asyncio.wait_for(ref, self.probe_timeout_s)
+        except TimeoutError as err:
+            raise ReplicaError(
+                replica.name, f"replica {replica.name} did not answer {method}", lost=False
+            ) from err
+        except RayError as err:
+            raise self._replica_error(replica, err, method) from err
 
     async def stream(
         self, replica: Replica, req: GenerateRequest
@@ -299,19 +333,23 @@ class PoolController:
                 delta: GenerateDelta = await ref
                 finished = delta.finished
                 yield delta
-        except RayActorError as err:
-            self.mark_dead(replica, f"died while serving: {_describe(err)}")
-            raise ReplicaError(
-                replica.name, f"replica {replica.name} died while serving the request", lost=True
-            ) from err
         except RayError as err:
-            raise ReplicaError(
-                replica.name, f"replica {replica.name} failed: {_describe(err)}", lost=False
-            ) from err
+            raise self._replica_error(replica, err, "the request") from err
         finally:
             replica.inflight -= 1
             if not finished and replica.state is not ReplicaState.DEAD:
                 ray.cancel(gen)  # cancels the actor task -> the engine aborts the request
+
+    def _replica_error(self, replica: Replica, err: RayError, doing: str) -> ReplicaError:
+        """The `ReplicaError` for a Ray failure; a dead actor is marked dead (``lost``)."""
+        if isinstance(err, RayActorError):
+            self.mark_dead(replica, f"died while serving: {_describe(err)}")
+            return ReplicaError(
+                replica.name, f"replica {replica.name} died while serving {doing}", lost=True
+            )
+        return ReplicaError(
+            replica.name, f"replica {replica.name} failed: {_describe(err)}", lost=False
+        )
 
     def mark_dead(self, replica: Replica, reason: str) -> None:
         """Stop routing to ``replica``, kill its actor, and let reconcile replace it."""

@@ -8,12 +8,21 @@ Load of a replica, compared in this order (lowest wins):
    dominates.
 2. ``kv_usage``: share of the replica's KV pool in use.
 3. ``name``: a deterministic tie-break.
+
+A new streaming session goes to the replica with the fewest open sessions first (an
+idle session holds KV but shows no queue), then by the load above.  Every later turn
+goes to that replica only (affinity): the session id carries the actor's name (see
+`session_token`), so any gateway can route it without shared state.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+# ``<actor name>.<engine session id>``: both parts URL-safe, the engine id without dots
+_SESSION_TOKEN = re.compile(r"([A-Za-z0-9._-]{1,200})\.([A-Za-z0-9_-]{1,100})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +31,33 @@ class ReplicaLoad:
     queued_tokens: int = 0
     inflight: int = 0
     kv_usage: float = 0.0
+    sessions_open: int = 0
 
     def key(self) -> tuple[int, float, str]:
         return (self.queued_tokens + self.inflight, self.kv_usage, self.name)
+
+    def session_key(self) -> tuple[int, int, float, str]:
+        return (self.sessions_open, *self.key())
 
 
 def pick_replica(replicas: Iterable[ReplicaLoad]) -> str | None:
     """Name of the least-loaded replica, or ``None`` when there is none."""
     best = min(replicas, key=ReplicaLoad.key, default=None)
     return None if best is None else best.name
+
+
+def pick_session_replica(replicas: Iterable[ReplicaLoad]) -> str | None:
+    """Where a new session goes: fewest open sessions, then least loaded."""
+    best = min(replicas, key=ReplicaLoad.session_key, default=None)
+    return None if best is None else best.name
+
+
+def session_token(actor_name: str, engine_sid: str) -> str:
+    """The session id clients see: the engine's id, prefixed by its actor's Ray name."""
+    return f"{actor_name}.{engine_sid}"
+
+
+def parse_session_token(token: str) -> tuple[str, str] | None:
+    """``(actor name, engine session id)`` of a `session_token`, or ``None`` if malformed."""
+    match = _SESSION_TOKEN.fullmatch(token)
+    return None if match is None else (match[1], match[2])

@@ -22,10 +22,10 @@ def start_engine(model_path, **overrides) -> Engine:
     return engine
 
 
-async def collect(engine: Engine, rid: str, prompt, **params):
+async def collect(engine: Engine, rid: str, prompt, session_id=None, **params):
     tokens, text, last = [], "", None
     async for delta in engine.generate(
-        GenerateRequest(rid, tuple(prompt), SamplingParams(**params))
+        GenerateRequest(rid, tuple(prompt), SamplingParams(**params), session_id)
     ):
         tokens += delta.token_ids
         text += delta.text
@@ -43,11 +43,14 @@ def run_all(engine: Engine, prompts, **params):
 
 
 def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
-    """Wait until the loop has published a status with no request and no KV held."""
+    """Wait until the loop has published a status with no request and no KV held but
+    by idle sessions."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = engine.status()
-        if st["running"] == st["queued"] == st["kv_used_tokens"] == 0:
+        if st["running"] == st["queued"] == 0 and st["kv_used_tokens"] == st.get(
+            "session_kv_tokens", 0
+        ):
             return True
         time.sleep(0.02)
     return False
@@ -76,12 +79,16 @@ def random_prompts(n, vocab, seed=0, lo=3, hi=40):
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def metric_value(engine: Engine, name: str) -> float:
+def metric_value(engine: Engine, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    found, total = False, 0.0
     for family in text_string_to_metric_families(engine.metrics_text().decode()):
         for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise KeyError(name)
+            if sample.name == name and labels.items() <= sample.labels.items():
+                found, total = True, total + sample.value
+    if not found:
+        raise KeyError(f"{name} {labels}")
+    return total
 
 
 def check_small_pool_run(engine: Engine, prompts, expected, max_tokens: int) -> None:

@@ -37,6 +37,7 @@ from specd.workers.engine.types import (
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
 from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.leak_check import row_pool_balance, token_pool_balance
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.mem_cache.sizing import (
     SpecShape,
@@ -52,13 +53,15 @@ from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from specd.workers.speculative.decoder import SpecDecoder
+from specd.workers.scheduler.sessions import SessionStore, TurnSettling
+from specd.workers.speculative.decoder import KVWriteOutOfBounds, SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.layout import TreeLayout
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_SESSION_EXPIRY_EVERY_S = 1.0
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -115,7 +118,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     req: Req
-    detok: IncrementalDetokenizer
+    session_id: str | None = None  # a turn of this session (history joined on the loop)
+    detok: IncrementalDetokenizer | None = None  # made on the loop, once the prompt is known
     sent_tokens: int = 0
 
 
@@ -141,6 +145,9 @@ class Engine:
         self.strict_mem_check = spec.debug.strict_mem_check >= 1 or bool(
             int(os.environ.get("SPECD_STRICT_MEM_CHECK", "0") or 0)
         )
+        self._idle_checked = False  # the idle leak check ran since the last work
+        self._parked: list[_Stream] = []  # turns waiting for their session's last turn
+        self._next_expiry = 0.0
 
     # -- construction ------------------------------------------------------
     def start(self) -> None:
@@ -191,6 +198,13 @@ class Engine:
             )
             self.draft_head = DraftHead(draft, draft_config)
         self._build_memory()
+        self.sessions = SessionStore(
+            self.kv,
+            enabled=spec.sessions.enabled,
+            max_sessions=spec.sessions.max_sessions,
+            timeout_s=spec.sessions.timeout_seconds,
+            bos_token_id=self.tokenizer.bos_token_id,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running_requests=spec.max_running_requests,
@@ -201,6 +215,7 @@ class Engine:
             ),
             self.kv,
         )
+        self.scheduler.sessions = self.sessions
         if self.spec_decoder is not None:
             self.scheduler.on_release = self._forget_draft_state
         self._refresh_status()
@@ -221,8 +236,9 @@ class Engine:
         tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, self.context_length)
         num_pages = tokens // page
         self.allocator = PagedTokenAllocator(num_pages, page)
+        sessions = spec.sessions.max_sessions if spec.sessions.enabled else 0
         self.req_pool = ReqToTokenPool(
-            spec.max_running_requests,
+            spec.max_running_requests + sessions,  # idle sessions keep their row
             row_width(self.context_length, self.spec_shape, page),
             self.device,
         )
@@ -265,21 +281,33 @@ class Engine:
 
     # -- public API (any thread / event loop) --------------------------------
     def validate(self, req: GenerateRequest) -> None:
-        """Raise ``InvalidRequest`` naming the field if ``req`` cannot be served."""
+        """Raise ``InvalidRequest`` naming the field if ``req`` cannot be served (a
+        session turn's length is checked on the loop, with its history)."""
         n = len(req.prompt_ids)
         if n == 0:
             raise InvalidRequest("prompt: must contain at least one token")
-        if n >= self.context_length:
-            raise InvalidRequest(
-                f"prompt: {n} tokens do not fit the context length {self.context_length} "
-                "(leave room for at least one output token)"
-            )
         vocab = self.model_config.vocab_size
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
-        need = ceil_page(min(n + req.params.max_tokens, self.context_length), self.kv.page_size)
+        if req.session_id is None:
+            self.check_fits(n, req.params.max_tokens)
+
+    def check_fits(self, n: int, max_tokens: int, history: int = 0) -> None:
+        """``n`` context tokens (``history`` of them from a session) leave room for output
+        within the context length, and the KV pool can hold the whole request."""
+        if n >= self.context_length:
+            if history:
+                raise InvalidRequest(
+                    f"prompt: the session's {history} tokens plus this turn's {n - history} "
+                    f"do not fit the context length {self.context_length}; open a new session"
+                )
+            raise InvalidRequest(
+                f"prompt: {n} tokens do not fit the context length {self.context_length} "
+                "(leave room for at least one output token)"
+            )
+        need = ceil_page(min(n + max_tokens, self.context_length), self.kv.page_size)
         if self.spec_shape is not None:  # a verify step holds a reserve beyond committed
             need += admission_headroom(self.spec_shape, self.kv.page_size)
         if need > self.allocator.total_tokens:
@@ -296,15 +324,14 @@ class Engine:
         try:
             self.validate(request)
         except InvalidRequest as err:
-            yield self._error_delta(request.rid, str(err), 400)
+            yield self._error_delta(request.rid, str(err), getattr(err, "code", 400))
             return
         req = Req(
             rid=request.rid or uuid.uuid4().hex,
             prompt_ids=list(request.prompt_ids),
             params=request.params,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), request.params.stop)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), req, detok)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
         self._post(("add", stream))
         finished = False
         try:
@@ -318,6 +345,17 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._post(("abort", rid))
+
+    def open_session(self) -> str:
+        """A new streaming session's id (``SessionError`` 400 when sessions are off, 429
+        when ``spec.sessions.maxSessions`` are open)."""
+        return self.sessions.open()
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session (``SessionError`` 404 unknown, 410 already closed or expired);
+        its KV is freed on the loop, after the turn in flight if any (that is aborted)."""
+        self.sessions.mark_closing(session_id)
+        self._post(("close", session_id))
 
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()
@@ -346,6 +384,7 @@ class Engine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
+                self._expire_sessions()
                 if not self.scheduler.has_work() and self._pending is None:
                     self._refresh_status()
                     self._on_idle()
@@ -368,11 +407,21 @@ class Engine:
         before processing the one in flight)."""
         t0 = time.perf_counter()
         retractions_before = self.scheduler.num_retractions
+        evictions_before = self.scheduler.num_session_evictions
+        row_errors_before = self.scheduler.num_row_width_errors
         run = self._overlapped_step if self._pending is not None else self._synchronous_step
-        model_s = run()
+        self._idle_checked = False
+        try:
+            model_s = run()
+        except KVWriteOutOfBounds:
+            self.metrics.leak_check("req_to_token", "busy", ok=False)
+            raise
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
+        self.metrics.session_evictions.inc(self.scheduler.num_session_evictions - evictions_before)
+        for _ in range(self.scheduler.num_row_width_errors - row_errors_before):
+            self.metrics.leak_check("req_to_token", "busy", ok=False)
         if self.strict_mem_check:
-            self._busy_leak_check()
+            self._leak_check("busy")
         self._refresh_status()
         host_s = time.perf_counter() - t0 - model_s
         for phase, seconds in (("host", host_s), ("model", model_s)):
@@ -501,18 +550,61 @@ class Engine:
         self._compute.submit(self.spec_decoder.drop, [req.rid])
 
     def _drain_inbox(self) -> None:
+        parked, self._parked = self._parked, []
+        for stream in parked:
+            self._add(stream)
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._idle_checked = False
             if kind == "add":
-                self._streams[item.req.rid] = item
-                self.scheduler.add(item.req)
-                self.metrics.prompt_tokens.inc(len(item.req.prompt_ids))
+                self._add(item)
+            elif kind == "abort" and self._unpark(item):
+                continue  # a parked turn was never queued: its caller has left
             elif kind == "abort" and (req := self.scheduler.abort(item)) is not None:
                 self.metrics.aborts.inc()
                 self._emit(req)
+            elif kind == "close" and (turn := self.sessions.close_now(item)) is not None:
+                self.scheduler.abort(turn.rid)
+                self._emit(turn)
+
+    def _add(self, stream: _Stream) -> None:
+        """Queue a request; a session turn first joins its session's history and KV."""
+        req = stream.req
+        if stream.session_id is not None:
+            try:
+                self.sessions.begin_turn(
+                    stream.session_id,
+                    req,
+                    lambda n, history: self.check_fits(n, req.params.max_tokens, history),
+                )
+            except TurnSettling:
+                self._parked.append(stream)
+                return
+            except InvalidRequest as err:
+                delta = self._error_delta(req.rid, str(err), getattr(err, "code", 400))
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+                return
+        stream.detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), req.params.stop)
+        self._streams[req.rid] = stream
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids) - req.cached_tokens)
+
+    def _unpark(self, rid: str) -> bool:
+        for stream in self._parked:
+            if stream.req.rid == rid:
+                self._parked.remove(stream)
+                return True
+        return False
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + _SESSION_EXPIRY_EVERY_S
+            if self.sessions.expire(now):
+                self._idle_checked = False
 
     def _emit(self, req: Req) -> None:
         """Send ``req``'s new tokens and text; finish it on a stop string."""
@@ -569,6 +661,7 @@ class Engine:
         usage = Usage(
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
             spec_verify_steps=req.spec_verify_steps,
             spec_accepted_tokens=req.spec_accepted_tokens,
         )
@@ -582,30 +675,48 @@ class Engine:
             error=req.error,
         )
 
-    def _busy_leak_check(self) -> None:
-        """Strict mode, after every step: used pages == the pages live requests hold
-        (``ceil_page(allocated)`` each), rows balance, lengths in order.  Fails loudly."""
-        self.metrics.leak_checks.inc()
+    def _leak_check(self, mode: str) -> None:
+        """Balance both pools against the live requests and idle sessions (DESIGN §5);
+        ``busy`` also checks each drafting request's committed length.  A failure is
+        counted and logged with the full breakdown; in strict mode it fails the engine
+        (the loop ends, health turns red)."""
+        holders = [r.kv for r in self.scheduler.kv_holders()]
+        held = [s.kv for s in self.sessions.idle_sessions()]
+        problems = []
+        for balance in (
+            token_pool_balance(self.allocator, holders, held),
+            row_pool_balance(self.req_pool, holders, held),
+        ):
+            extra = self._consistency_problem(balance.pool, mode) if balance.ok else None
+            ok = balance.ok and extra is None
+            self.metrics.leak_check(balance.pool, mode, ok)
+            if not ok:
+                problems.append(f"{balance.describe()}{f'; {extra}' if extra else ''}")
+        if not problems:
+            return
+        message = f"KV leak check ({mode}) failed: " + " | ".join(problems)
+        log.error("engine %s: %s", self.replica, message)
+        if self.strict_mem_check:
+            raise AssertionError(message)
+
+    def _consistency_problem(self, pool: str, mode: str) -> str | None:
+        """The structural checks behind a balanced pool (ownership, lengths)."""
         try:
-            self.kv.check_integrity()
-            self.scheduler.check_committed_lengths()
-        except AssertionError:
-            self.metrics.leak_check_failed()
-            raise
+            if pool == "req_to_token":
+                self.kv.check_integrity()
+            else:
+                self.sessions.check()
+                if mode == "busy":
+                    self.scheduler.check_committed_lengths()
+        except AssertionError as err:
+            return str(err)
+        return None
 
     def _on_idle(self) -> None:
-        """Idle leak check: with nothing running, every page and row must be free."""
-        if self.kv.allocator.used_tokens or self.req_pool.num_free != self.req_pool.num_rows:
-            self.metrics.leak_check_failed()
-            self.healthy = False
-            self.last_error = (
-                f"KV leak at idle: {self.kv.allocator.used_tokens} tokens used, "
-                f"{self.req_pool.num_rows - self.req_pool.num_free} rows held"
-            )
-            self.metrics.engine_healthy.set(0)
-            log.error("engine %s: %s", self.replica, self.last_error)
-            raise RuntimeError(self.last_error)
-        self.kv.check_integrity()
+        """Idle leak check, once per idle period: only sessions may hold KV."""
+        if not self._idle_checked:
+            self._idle_checked = True
+            self._leak_check("idle")
 
     def _abort_all(self) -> None:
         for rid in list(self._streams):
@@ -622,6 +733,10 @@ class Engine:
         self.metrics.requests_queued.set(len(s.waiting))
         self.metrics.kv_tokens_used.set(a.used_tokens)
         self.metrics.kv_tokens_reserved.set(self.kv.reserved_tokens)
+        self.metrics.kv_reserve_ratio.set(self.kv.reserved_tokens / max(a.used_tokens, 1))
+        session_tokens = self.sessions.held_tokens()
+        self.metrics.sessions_open.set(self.sessions.num_open)
+        self.metrics.session_kv_tokens.set(session_tokens)
         self._status = {
             "replica": self.replica,
             "config_hash": self.config_hash,
@@ -634,6 +749,8 @@ class Engine:
             "retractions": s.num_retractions,
             "kv_reserved_tokens": self.kv.reserved_tokens,
             "leak_check_failures": self.metrics.leak_failures,
+            "sessions_open": self.sessions.num_open,
+            "session_kv_tokens": session_tokens,
             # cumulative; mean accept length = 1 + accepted_tokens / verify_steps
             "speculation": dict(self.metrics.spec_totals) if self.spec_shape is not None else None,
         }

@@ -34,6 +34,7 @@ class GenerateRequest:
     rid: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None  # a turn of this streaming session (``prompt_ids`` appended)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +62,12 @@ class GenerateDelta:
 
 class InvalidRequest(ValueError):
     """A request the engine refuses before admitting it (maps to HTTP 400)."""
+
+
+class SessionError(InvalidRequest):
+    """A session call the engine refuses: ``code`` is the HTTP status (400 sessions
+    disabled, 404 unknown id, 409 a turn already in flight, 410 closed or expired)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code

@@ -38,6 +38,8 @@ class Req:
     release_deferred: bool = False  # finished while a step was in flight: free KV after it
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
+    session: Any = None  # the streaming session this request is a turn of (sessions.py)
+    cached_tokens: int = 0  # history tokens of the session reused (usage.cached_tokens)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ from specd.workers.mem_cache.kv_manager import KVManager, RowWidthExceeded
 from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode_alloc_target
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req, RequestStatus
+from specd.workers.scheduler.sessions import SessionStore
 from specd.workers.scheduler.stop import check_stop
 from specd.workers.speculative.accounting import (
     preclaim_bonus_slot,
@@ -49,6 +50,10 @@ class Scheduler:
         self.num_retractions = 0
         self.failed: list[Req] = []  # finished with an error while scheduling; engine reports
         self.on_release: Callable[[Req], None] | None = None  # KV of ``req`` was freed
+        self.sessions: SessionStore | None = None  # turns of sessions keep their KV there
+        self.num_row_width_errors = 0
+        self.num_session_evictions = 0  # session KV freed under pressure (tokens kept)
+        self.deferred: list[Req] = []  # finished, KV freed once their step in flight ends
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -78,11 +83,27 @@ class Scheduler:
         req.finish_reason = reason
         if req.inflight_steps:  # a launched step still writes its KV: free after it
             req.release_deferred = True
+            self.deferred.append(req)
         else:
             self._release(req)
 
     def _release(self, req: Req) -> None:
-        self.kv.release(req.kv)
+        """``req`` is finished and no step is in flight: free its KV (a session turn hands
+        it back to its session instead)."""
+        if req.release_deferred:
+            self.deferred.remove(req)
+        if req.session is not None:
+            self.sessions.end_turn(req, self.config.context_length)
+        else:
+            self.kv.release(req.kv)
+        self._forget(req)
+
+    def kv_holders(self) -> list[Req]:
+        """Every request that holds KV right now (the leak checks' ``requests``)."""
+        waiting = [r for r in self.waiting if r.kv.row is not None]  # session turns
+        return self.running + waiting + self.deferred
+
+    def _forget(self, req: Req) -> None:
         req.spec_ready = False
         req.release_deferred = False
         if self.on_release is not None:
@@ -146,6 +167,7 @@ class Scheduler:
                 elif not self._grow_or_retract(req, target):
                     continue
             except RowWidthExceeded as err:
+                self.num_row_width_errors += 1
                 req.error = str(err)
                 self.finish(req, FinishReason.ERROR)
                 self.failed.append(req)
@@ -173,9 +195,14 @@ class Scheduler:
                 break
             req = self.waiting[0]
             take = min(req.tokens_to_compute, budget)
-            # keep each running request's next decode growth free
+            # room for its whole remaining prefill (a chunked prefill admitted without it
+            # retracts itself, is readmitted, and starves the decodes), keeping each
+            # running request's next decode growth free
             headroom = len(self.running) * admission_headroom(self.config.spec, self.kv.page_size)
-            if self.kv.allocator.free_tokens - headroom < take or not self.kv.grow(req.kv, take):
+            room = self.kv.allocator.free_tokens - headroom
+            if room < req.tokens_to_compute or not self.kv.grow(req.kv, req.kv.committed + take):
+                if self._reclaim_session_kv(req.tokens_to_compute + headroom):
+                    continue  # ``take`` may have grown: the turn prefills its history again
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -188,18 +215,43 @@ class Scheduler:
         """Allocate up to ``new_allocated`` for ``req``, retracting newer requests if the
         pool is full.  False if ``req`` itself had to be retracted."""
         while not self.kv.grow(req.kv, new_allocated):
+            if self._reclaim_session_kv(
+                self.kv.pages_needed(req.kv, new_allocated) * self.kv.page_size
+            ):
+                continue
             victim = self.running[-1]
             self.retract(victim)
             if victim is req:
                 return False
         return True
 
+    def _reclaim_session_kv(self, tokens: int) -> bool:
+        """Free session KV that no step is using until ``tokens`` slots are free: waiting
+        turns' history first (newest first), then idle sessions (least recently used).
+        Their tokens are kept; the next turn prefills the history again.  False if
+        there was nothing to free."""
+        freed = False
+        holders = [r.kv for r in reversed(self.waiting) if r.kv.row is not None]
+        for kv in holders:
+            if self.kv.allocator.free_tokens >= tokens:
+                return freed
+            self.kv.release(kv)
+            self.num_session_evictions += 1
+            freed = True
+        while self.kv.allocator.free_tokens < tokens and self.sessions is not None:
+            if not self.sessions.evict_lru():
+                break
+            self.num_session_evictions += 1
+            freed = True
+        return freed
+
     def retract(self, req: Req) -> None:
         """Free ``req``'s KV and requeue it first; its output so far is kept."""
         if req.inflight_steps:
             raise RuntimeError(f"request {req.rid} retracted while a step is in flight")
         self.running.remove(req)
-        self._release(req)  # the draft state goes too; re-prefill rebuilds it
+        self.kv.release(req.kv)  # a session turn's history KV too: re-prefill rebuilds it
+        self._forget(req)  # and the draft state
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
         self.num_retractions += 1

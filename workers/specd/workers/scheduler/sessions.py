@@ -1,0 +1,258 @@
+"""Streaming sessions (seed 004): a session keeps its request row and KV between turns.
+
+A turn is an ordinary request whose prompt is the session's history (every earlier
+prompt and completion) followed by the new tokens, and whose ``RequestKV`` is the
+session's own: it starts with ``committed == len(history) - 1`` (all history KV but the
+last token's, which the turn's first forward writes, as any decode step would), so only
+the new tokens are prefilled.
+
+When a turn ends (``end_turn``, on the engine loop thread, after any step in flight):
+
+* finished normally -> ``save_turn``: the history grows by the turn, speculative
+  overshoot is trimmed (``trim_overshoot``) and the KV stays with the session;
+* aborted, failed, or out of context -> ``rollback_turn`` to the last finished turn; the
+  KV of the history is kept (unless a retraction took it), so the next turn reuses it;
+* the session was closed meanwhile -> everything is freed.
+
+Idle sessions expire after ``timeout_s``.  Closed and expired ids are remembered (a
+bounded list) so a late turn gets 410, not 404.  ``open``/``close`` may be called from
+any thread; the rest runs on the engine loop thread, which owns the KV.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specd.workers.engine.types import FinishReason, SessionError
+from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
+from specd.workers.mem_cache.sizing import ceil_page
+from specd.workers.scheduler.request import Req
+
+_REMEMBERED_ENDED = 4096  # closed/expired ids kept for a 410 answer
+
+
+class TurnSettling(SessionError):
+    """The previous turn has finished but a step in flight still holds its KV: the new
+    turn waits (the engine retries it after the step) instead of getting 409."""
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    sid: str
+    kv: RequestKV = field(default_factory=RequestKV)  # shared with the turn in flight
+    history: list[int] = field(default_factory=list)  # prompts + completions of past turns
+    last_used: float = field(default_factory=time.monotonic)
+    turn: Req | None = None  # the turn in flight
+    closing: bool = False  # closed while a turn was in flight: free after it
+
+    @property
+    def kv_intact(self) -> bool:
+        """The KV of the whole history (but its last token) is held."""
+        return bool(self.history) and self.kv.committed == len(self.history) - 1
+
+
+class SessionStore:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        enabled: bool,
+        max_sessions: int,
+        timeout_s: float,
+        bos_token_id: int | None = None,
+    ):
+        self.kv = kv
+        self.bos_token_id = bos_token_id  # later turns drop it: no second BOS mid-context
+        self.enabled = enabled
+        self.max_sessions = max_sessions
+        self.timeout_s = timeout_s
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # sid -> "closed" | "expired"
+        self._lock = threading.Lock()
+
+    # -- any thread ------------------------------------------------------------
+    def open(self) -> str:
+        if not self.enabled:
+            raise SessionError(
+                "sessions are disabled on this deployment (set spec.sessions.enabled: true)",
+                400,
+            )
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionError(
+                    f"{self.max_sessions} sessions are open (spec.sessions.maxSessions); "
+                    "close one or retry later",
+                    429,
+                )
+            sid = uuid.uuid4().hex
+            self._sessions[sid] = Session(sid)
+            return sid
+
+    def mark_closing(self, sid: str) -> None:
+        """First half of a close (caller's thread): later turns get 410 at once."""
+        with self._lock:
+            self._get(sid).closing = True
+
+    def _get(self, sid: str) -> Session:
+        session = self._sessions.get(sid)
+        if session is not None and not session.closing:
+            return session
+        if session is not None or sid in self._ended:
+            how = self._ended.get(sid, "closed")
+            raise SessionError(f"session {sid} was {how}; open a new session", 410)
+        if not self.enabled:
+            raise SessionError(
+                "session_id: sessions are disabled on this deployment "
+                "(set spec.sessions.enabled: true)",
+                400,
+            )
+        raise SessionError(f"session_id: no session {sid}", 404)
+
+    # -- engine loop thread ----------------------------------------------------
+    def begin_turn(self, sid: str, req: Req, check_fits: Callable[[int, int], None]) -> None:
+        """Make ``req`` (prompt = the new tokens) a turn of ``sid``: prepend the history,
+        hand it the session's KV, and record the reused length in ``req.cached_tokens``.
+        ``check_fits(total_tokens, history_tokens)`` may refuse the turn (raising); the
+        session is then untouched."""
+        with self._lock:
+            session = self._get(sid)
+        if session.turn is not None and session.turn.finished:
+            raise TurnSettling(f"session {sid}: the last turn is still settling", 409)
+        if session.turn is not None:
+            raise SessionError(
+                f"session {sid} already has a turn in flight; wait for it to finish", 409
+            )
+        if session.history and self.bos_token_id is not None:
+            req.prompt_ids = drop_leading(req.prompt_ids, self.bos_token_id)
+        check_fits(len(session.history) + len(req.prompt_ids), len(session.history))
+        session.turn = req
+        req.prompt_ids = session.history + req.prompt_ids
+        req.kv = session.kv
+        req.session = session
+        req.cached_tokens = len(session.history) if session.kv_intact else session.kv.committed
+
+    def end_turn(self, req: Req, context_length: int) -> None:
+        """The turn ``req`` is over and no step is in flight for it."""
+        session = req.session
+        session.turn = None
+        session.last_used = time.monotonic()
+        if session.closing:
+            self._free(session, "closed")
+        elif completed_turn(req, context_length):
+            save_turn(self.kv, session, req)
+        else:
+            rollback_turn(self.kv, session)
+
+    def close_now(self, sid: str) -> Req | None:
+        """Second half of a close (loop thread): free an idle session at once; a busy
+        one is freed when its turn ends.  Returns the turn to abort, if any."""
+        session = self._sessions.get(sid)
+        if session is None:
+            return None
+        if session.turn is None:
+            self._free(session, "closed")
+        return session.turn
+
+    def expire(self, now: float | None = None) -> int:
+        """Close sessions idle for longer than the timeout; returns how many."""
+        now = time.monotonic() if now is None else now
+        idle = [
+            s
+            for s in self._sessions.values()
+            if s.turn is None and not s.closing and now - s.last_used > self.timeout_s
+        ]
+        for session in idle:
+            self._free(session, "expired")
+        return len(idle)
+
+    def evict_lru(self) -> bool:
+        """Free the KV of the least recently used idle session (its history stays, so
+        its next turn prefills it again).  False when no idle session holds KV."""
+        holding = [s for s in self.idle_sessions() if s.kv.row is not None]
+        if not holding:
+            return False
+        self.kv.release(min(holding, key=lambda s: s.last_used).kv)
+        return True
+
+    def _free(self, session: Session, how: str) -> None:
+        if session.kv.row is not None:
+            self.kv.release(session.kv)
+        with self._lock:
+            self._sessions.pop(session.sid, None)
+            self._ended[session.sid] = how
+            while len(self._ended) > _REMEMBERED_ENDED:
+                self._ended.popitem(last=False)
+
+    # -- accounting ------------------------------------------------------------
+    @property
+    def num_open(self) -> int:
+        return len(self._sessions)
+
+    def idle_sessions(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.turn is None]
+
+    def held_tokens(self) -> int:
+        """KV slots (whole pages) held by sessions between turns."""
+        page = self.kv.page_size
+        return sum(ceil_page(s.kv.allocated, page) for s in self.idle_sessions())
+
+    def held_rows(self) -> int:
+        return sum(1 for s in self.idle_sessions() if s.kv.row is not None)
+
+    def check(self) -> None:
+        """Every idle session holds exactly its history's KV (or none): raises
+        AssertionError naming the session."""
+        for s in self.idle_sessions():
+            kv = s.kv
+            if kv.row is None and kv.committed == kv.allocated == 0:
+                continue
+            if not s.kv_intact or kv.allocated != kv.committed:
+                raise AssertionError(
+                    f"session {s.sid}: holds committed {kv.committed} / allocated "
+                    f"{kv.allocated} for a history of {len(s.history)} tokens (expected "
+                    f"{len(s.history) - 1} / {len(s.history) - 1})"
+                )
+
+
+def drop_leading(ids: list[int], token: int) -> list[int]:
+    """``ids`` without a leading ``token`` (a turn's BOS, when it continues a history);
+    a turn that is nothing but that token keeps it."""
+    return ids[1:] if len(ids) > 1 and ids[0] == token else ids
+
+
+def completed_turn(req: Req, context_length: int) -> bool:
+    """A turn that joins the history: stopped or reached max_tokens, inside the context."""
+    if req.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        return False
+    return req.num_fill < context_length
+
+
+def save_turn(kv: KVManager, session: Session, req: Req) -> None:
+    """Keep a finished turn: its tokens join the history, its KV stays."""
+    session.history = req.fill_ids
+    trim_overshoot(kv, req.kv, len(session.history) - 1)
+
+
+def trim_overshoot(kv: KVManager, held: RequestKV, target: int) -> None:
+    """Speculation may have committed or allocated past the turn's last token: free
+    ``[ceil_page(target), allocated)`` and clamp both lengths to ``target``."""
+    if held.row is None:  # retracted and never re-admitted: nothing held
+        return
+    kv.free_tail(held, target)
+
+
+def rollback_turn(kv: KVManager, session: Session) -> None:
+    """Forget an unfinished turn: keep the history's KV if it is all there (free what
+    the turn added), else free everything and let the next turn prefill the history."""
+    held, keep = session.kv, len(session.history) - 1
+    if held.row is None:
+        return
+    if keep > 0 and held.committed >= keep:
+        kv.free_tail(held, keep)
+    else:
+        kv.release(held)

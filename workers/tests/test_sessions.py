@@ -1,0 +1,385 @@
+"""Streaming sessions in the engine (seed 004's matrix): KV inheritance, concurrency,
+aborts, over-length turns, retraction, idle expiry, and leak checks that catch the
+seeds' bugs.  Every engine runs with strict busy checks; every scenario ends with all
+sessions closed, no KV held and no leak-check failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from specd.workers.debug_toggles import reverted_behaviours
+from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
+from specd.workers.testing import (
+    collect,
+    hf_greedy,
+    metric_value,
+    random_prompts,
+    start_engine,
+    wait_idle,
+)
+from specd.workers.tools.tiny_draft import make_tiny_eagle
+
+MAX_NEW = 12
+CONFIGS = {
+    "plain": {},
+    "plain-page16": {"kvCache": {"pageSize": 16}},
+    "chain-overlap": {
+        "speculative": {"numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+    },
+    "tree-overlap-page16": {
+        "speculative": {"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+        "kvCache": {"pageSize": 16},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    target = tiny_models("gqa")
+    return target, str(make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target))
+
+
+def session_engine(models, config, **extra):
+    target, draft = models
+    spec = {k: dict(v) for k, v in config.items()}
+    if "speculative" in spec:
+        spec["draft"] = {"path": draft}
+    kv = {"maxTokens": 4096, **spec.pop("kvCache", {}), **extra.pop("kvCache", {})}
+    sessions = {"enabled": True, **extra.pop("sessions", {})}
+    return start_engine(
+        target, kvCache=kv, sessions=sessions, debug={"strictMemCheck": 1}, **spec, **extra
+    )
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def engine(request, models):
+    engine = session_engine(models, CONFIGS[request.param])
+    yield engine
+    engine.shutdown()
+
+
+async def turn(engine, sid, rid, prompt, max_tokens=MAX_NEW):
+    return await collect(engine, rid, prompt, sid, max_tokens=max_tokens, ignore_eos=True)
+
+
+def expected_chain(engine, turns, max_tokens=MAX_NEW):
+    """Greedy outputs of each turn, computed without sessions: turn i continues the
+    concatenation of every earlier prompt and output, sent whole."""
+    history, outputs = [], []
+
+    async def go():
+        for i, prompt in enumerate(turns):
+            tokens, _, _ = await collect(
+                engine, f"ref{i}", history + prompt, max_tokens=max_tokens, ignore_eos=True
+            )
+            outputs.append(tokens)
+            history.extend(prompt + tokens)
+
+    asyncio.run(go())
+    return outputs
+
+
+def assert_clean(engine):
+    """After the scenario's sessions closed: no KV or row held, no leak failure."""
+    deadline = time.monotonic() + 5
+    while (engine.status()["sessions_open"] or not wait_idle(engine, 0.1)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    assert engine.status()["kv_used_tokens"] == 0, engine.status()
+    time.sleep(0.1)  # the idle check of this idle period has run
+    assert metric_value(engine, "specd_sessions_open") == 0
+    assert metric_value(engine, "specd_session_kv_tokens") == 0
+    assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
+    assert metric_value(engine, "specd_leak_checks_total", mode="idle", result="ok") > 0
+    assert engine.status()["healthy"], engine.status()["last_error"]
+    assert engine.req_pool.num_free == engine.req_pool.num_rows
+
+
+def test_kv_inheritance_over_three_turns(engine):
+    turns = random_prompts(3, 300, seed=11, lo=5, hi=15)
+    expected = expected_chain(engine, turns)
+    sid = engine.open_session()
+
+    async def go():
+        return [await turn(engine, sid, f"t{i}", p) for i, p in enumerate(turns)]
+
+    results = asyncio.run(go())
+    assert [r[0] for r in results] == expected
+    history = 0
+    for prompt, (tokens, _, last) in zip(turns, results, strict=True):
+        assert last.usage.cached_tokens == history  # previous prompts + completions
+        assert last.usage.prompt_tokens == history + len(prompt)
+        history += len(prompt) + len(tokens)
+    assert wait_idle(engine)
+    assert engine.status()["sessions_open"] == 1
+    assert engine.status()["session_kv_tokens"] >= history - 1
+    engine.close_session(sid)
+    assert_clean(engine)
+
+
+def test_six_sessions_five_turns_concurrently_twice(engine):
+    chains = [random_prompts(5, 300, seed=100 + s, lo=3, hi=9) for s in range(6)]
+    expected = [expected_chain(engine, chain) for chain in chains]
+
+    async def one_session(s, chain):
+        sid = engine.open_session()
+        outs = []
+        for i, prompt in enumerate(chain):
+            tokens, _, last = await turn(engine, sid, f"s{s}t{i}", prompt)
+            assert last.finish_reason is FinishReason.LENGTH, last.error
+            outs.append(tokens)
+        engine.close_session(sid)
+        return outs
+
+    async def go():
+        return await asyncio.gather(*(one_session(s, c) for s, c in enumerate(chains)))
+
+    for _ in range(2):
+        assert asyncio.run(go()) == expected
+        assert_clean(engine)
+
+
+async def abort_after_first_token(engine, sid, rid, prompt):
+    """Start a long turn and leave after its first tokens (the engine aborts it)."""
+    stream = engine.generate(
+        GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=200, ignore_eos=True), sid)
+    )
+    async for delta in stream:
+        if delta.token_ids:
+            break
+    await stream.aclose()
+
+
+def test_mid_turn_abort_rolls_back_and_the_next_turn_reuses_kv(engine):
+    turns = random_prompts(3, 300, seed=21, lo=5, hi=12)
+    expected = expected_chain(engine, [turns[0], turns[2]])
+    sid = engine.open_session()
+
+    async def go():
+        first = await turn(engine, sid, "a0", turns[0])
+        await abort_after_first_token(engine, sid, "a1", turns[1])
+        return first, await turn(engine, sid, "a2", turns[2])
+
+    first, after = asyncio.run(go())
+    assert [first[0], after[0]] == expected
+    assert after[2].usage.cached_tokens == len(turns[0]) + len(first[0])
+    engine.close_session(sid)
+    assert_clean(engine)
+
+
+def test_first_turn_abort_then_recovery(engine):
+    turns = random_prompts(2, 300, seed=31, lo=5, hi=12)
+    expected = expected_chain(engine, [turns[1]])
+    sid = engine.open_session()
+
+    async def go():
+        await abort_after_first_token(engine, sid, "f0", turns[0])
+        return await turn(engine, sid, "f1", turns[1])
+
+    tokens, _, last = asyncio.run(go())
+    assert [tokens] == expected
+    assert last.usage.cached_tokens == 0
+    engine.close_session(sid)
+    assert_clean(engine)
+
+
+def test_over_length_turn_is_refused_and_the_session_survives(engine):
+    turns = random_prompts(2, 300, seed=41, lo=5, hi=12)
+    expected = expected_chain(engine, turns)
+    too_long = random_prompts(1, 300, seed=42, lo=300, hi=300)[0]  # context is 256
+    sid = engine.open_session()
+
+    async def go():
+        first = await turn(engine, sid, "o0", turns[0])
+        refused = await turn(engine, sid, "o1", too_long)
+        return first, refused, await turn(engine, sid, "o2", turns[1])
+
+    first, refused, after = asyncio.run(go())
+    assert refused[2].error_code == 400 and "context length" in refused[2].error
+    assert [first[0], after[0]] == expected
+    assert after[2].usage.cached_tokens == len(turns[0]) + len(first[0]) > 0
+    engine.close_session(sid)
+    assert_clean(engine)
+
+
+def test_turn_that_runs_out_of_context_is_rolled_back(engine):
+    """A turn that stops at the context length (not max_tokens) does not join the
+    history: the next turn continues from the turn before it, reusing its KV."""
+    first_prompt, last_prompt = random_prompts(2, 300, seed=51, lo=5, hi=12)
+    filler = random_prompts(1, 300, seed=52, lo=200, hi=200)[0]
+    expected = expected_chain(engine, [first_prompt, last_prompt])
+    sid = engine.open_session()
+
+    async def go():
+        first = await turn(engine, sid, "c0", first_prompt)
+        full = await turn(engine, sid, "c1", filler, max_tokens=200)
+        return first, full, await turn(engine, sid, "c2", last_prompt)
+
+    first, full, after = asyncio.run(go())
+    assert full[2].finish_reason is FinishReason.LENGTH
+    assert full[2].usage.prompt_tokens + len(full[0]) == 256
+    assert [first[0], after[0]] == expected
+    assert after[2].usage.cached_tokens == len(first_prompt) + len(first[0])
+    engine.close_session(sid)
+    assert_clean(engine)
+
+
+def test_bad_session_calls(engine):
+    sid = engine.open_session()
+
+    async def go():
+        unknown = await turn(engine, "no-such-session", "b0", [5, 6, 7])
+        slow = asyncio.ensure_future(turn(engine, sid, "b1", [5, 6, 7], max_tokens=60))
+        await asyncio.sleep(0.05)
+        busy = await turn(engine, sid, "b2", [8, 9])
+        await slow
+        engine.close_session(sid)
+        closed = await turn(engine, sid, "b3", [8, 9])
+        return unknown, busy, closed
+
+    unknown, busy, closed = asyncio.run(go())
+    assert unknown[2].error_code == 404
+    assert busy[2].error_code == 409 and "in flight" in busy[2].error
+    assert closed[2].error_code == 410
+    with pytest.raises(Exception, match="was closed") as err:
+        engine.close_session(sid)
+    assert err.value.code == 410
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    ("config", "pool"), [("plain", 320), ("chain-overlap", 384), ("tree-overlap-page16", 768)]
+)
+def test_retraction_under_a_small_pool_keeps_sessions_exact(models, config, pool):
+    """Page 16, a pool too small for every session at once: idle sessions' KV is
+    evicted (history kept), running turns are retracted (their session KV given back
+    too), resume, and every output stays exact."""
+    chains = [random_prompts(2, 300, seed=200 + s, lo=60, hi=80) for s in range(3)]
+    reference = session_engine(models, CONFIGS["plain"])
+    try:
+        expected = [expected_chain(reference, chain, max_tokens=40) for chain in chains]
+    finally:
+        reference.shutdown()
+    engine = session_engine(models, CONFIGS[config], kvCache={"pageSize": 16, "maxTokens": pool})
+
+    async def one_session(s, chain):
+        sid = engine.open_session()
+        outs = [(await turn(engine, sid, f"r{s}t{i}", p, 40))[0] for i, p in enumerate(chain)]
+        engine.close_session(sid)
+        return outs
+
+    async def go():
+        return await asyncio.gather(*(one_session(s, c) for s, c in enumerate(chains)))
+
+    try:
+        assert asyncio.run(go()) == expected
+        assert metric_value(engine, "specd_retractions_total") > 0
+        assert metric_value(engine, "specd_session_kv_evictions_total") > 0
+        assert_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_idle_sessions_expire(models):
+    engine = session_engine(models, CONFIGS["plain"], sessions={"timeoutSeconds": 0.3})
+    try:
+        sid = engine.open_session()
+        asyncio.run(turn(engine, sid, "e0", [5, 6, 7, 8]))
+        assert wait_idle(engine) and engine.status()["session_kv_tokens"] > 0
+        time.sleep(1.6)
+        _, _, last = asyncio.run(turn(engine, sid, "e1", [9]))
+        assert last.error_code == 410 and "expired" in last.error
+        assert_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_sessions_disabled(models):
+    engine = start_engine(models[0])
+    try:
+        with pytest.raises(Exception, match="spec.sessions.enabled") as err:
+            engine.open_session()
+        assert err.value.code == 400
+        _, _, last = asyncio.run(turn(engine, "x", "d0", [5, 6]))
+        assert last.error_code == 400 and "session_id" in last.error
+    finally:
+        engine.shutdown()
+
+
+def test_plain_session_turns_match_transformers(models):
+    """The reference chain itself is checked against transformers once."""
+    engine = session_engine(models, CONFIGS["plain"])
+    turns = random_prompts(2, 300, seed=61, lo=5, hi=10)
+    try:
+        sid = engine.open_session()
+
+        async def go():
+            return [await turn(engine, sid, f"h{i}", p) for i, p in enumerate(turns)]
+
+        first, second = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert [first[0]] == hf_greedy(models[0], [turns[0]], MAX_NEW)
+    assert [second[0]] == hf_greedy(models[0], [turns[0] + first[0] + turns[1]], MAX_NEW)
+
+
+# -- fault toggles: each seed bug makes the session matrix's leak check fail -------------
+
+
+@pytest.fixture
+def toggle(monkeypatch):
+    def set_toggle(name):
+        monkeypatch.setenv("SPECD_DEBUG_REVERT", name)
+        reverted_behaviours.cache_clear()
+
+    yield set_toggle
+    monkeypatch.delenv("SPECD_DEBUG_REVERT", raising=False)
+    reverted_behaviours.cache_clear()
+
+
+def run_sessions(engine, chains, max_tokens=MAX_NEW):
+    async def one_session(s, chain):
+        sid = engine.open_session()
+        for i, prompt in enumerate(chain):
+            await turn(engine, sid, f"x{s}t{i}", prompt, max_tokens)
+        engine.close_session(sid)
+
+    async def go():
+        await asyncio.gather(*(one_session(s, c) for s, c in enumerate(chains)))
+
+    asyncio.run(go())
+
+
+def leak_failures(engine):
+    return metric_value(engine, "specd_leak_checks_total", result="fail")
+
+
+@pytest.mark.parametrize("toggle_name", ["bonus-preclaim", "row-headroom"])
+def test_fault_toggles_fail_the_session_leak_check(models, toggle, toggle_name):
+    """A session whose second turn runs to the context length, under overlapped tree
+    speculation.  Without the toggle it passes (the matrix above); with it a leak check
+    fails: the bonus slot is counted late (committed one short while a verify is in
+    flight), or a row narrower than committed + reserve is caught before any write."""
+    long_prompt, short_prompt = random_prompts(2, 300, seed=301, lo=200, hi=200)
+    chain = [long_prompt, short_prompt[:20]]
+    config = CONFIGS["tree-overlap-page16"] | {"kvCache": {"pageSize": 1}}
+    clean = session_engine(models, config)
+    try:
+        run_sessions(clean, [chain], max_tokens=100)
+        assert leak_failures(clean) == 0
+        assert_clean(clean)
+    finally:
+        clean.shutdown()
+    toggle(toggle_name)
+    engine = session_engine(models, config)
+    try:
+        run_sessions(engine, [chain], max_tokens=100)
+        assert leak_failures(engine) >= 1
+    finally:
+        engine.shutdown()
