@@ -80,6 +80,85 @@ def test_errors_name_the_field(spec, message):
     assert message in str(err.value)
 
 
+def speculative(**adaptive):
+    return {
+        "draft": {"path": "d"},
+        "speculative": {"adaptive": {"enabled": True, **adaptive}},
+    }
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        pytest.param(
+            speculative(),
+            "spec.speculative.adaptive.candidateSteps: list at least one step count",
+            id="empty",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[1, 5, 3]),
+            "spec.speculative.adaptive.candidateSteps[2]: steps 3 is out of order",
+            id="unsorted",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[0, 2, 2]),
+            "spec.speculative.adaptive.candidateSteps[2]: steps 2 is a duplicate",
+            id="duplicate",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[1, {"steps": 3, "numDraftTokens": 5}]),
+            "spec.speculative.adaptive.candidateSteps[1]: numDraftTokens must be numSteps + 1 = 4",
+            id="rung-chain-tokens",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[{"steps": 2, "topk": 2, "numDraftTokens": 6}]),
+            "spec.speculative.adaptive.candidateSteps[0]: numDraftTokens must be at most "
+            "topk * numSteps + 1 = 5",
+            id="rung-tree-too-big",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[{"steps": 0, "topk": 2}]),
+            "spec.speculative.adaptive.candidateSteps[0]: steps 0 is plain decode",
+            id="plain-rung-with-topk",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[-1]),
+            "spec.speculative.adaptive.candidateSteps[0].steps: Input should be greater",
+            id="negative-steps",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[1], upThreshold=0.2, downThreshold=0.5),
+            "spec.speculative.adaptive: Value error, downThreshold (0.5) must not exceed",
+            id="thresholds",
+        ),
+        pytest.param(
+            speculative(candidateSteps=[1], upHysteresis=0),
+            "spec.speculative.adaptive.upHysteresis: Input should be greater than or equal to 1",
+            id="hysteresis",
+        ),
+        pytest.param(
+            {"draft": {"path": "d"}, "speculative": {"policy": {"maxBatchForSpec": 0}}},
+            "spec.speculative.policy.maxBatchForSpec: Input should be greater",
+            id="policy",
+        ),
+    ],
+)
+def test_adaptive_errors_name_the_field(spec, message):
+    with pytest.raises(ConfigError) as err:
+        parse_deployment(doc(**spec))
+    assert message in str(err.value)
+
+
+def test_adaptive_ladder_round_trips_through_a_dump():
+    """The engine config (ConfigMap) is a dump of the spec: the ladder survives it."""
+    spec = parse_deployment(doc(**speculative(candidateSteps=[0, 2, {"steps": 4, "topk": 2}])))
+    dumped = spec.model_dump(mode="json", by_alias=True)
+    again = parse_deployment(dumped).spec.speculative
+    assert again.ladder == spec.spec.speculative.ladder
+    assert [r.steps for r in again.ladder] == [0, 2, 4]
+    assert again.max_draft_tokens == 4  # min(numDraftTokens 4, 2 * 4 + 1)
+
+
 def test_missing_model_is_named():
     with pytest.raises(ConfigError, match=r"spec.model: Field required"):
         parse_deployment({**doc(), "spec": {}})

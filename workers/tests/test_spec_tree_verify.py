@@ -185,6 +185,26 @@ def test_build_tree_rejects_too_many_tokens():
         build_tree(torch.tensor([9]), [step0], 4)
 
 
+def test_root_only_tree_verifies_like_plain_decode():
+    """The plain rung (steps 0, T 1): the root alone; greedy emits the target's argmax,
+    sampling draws from the target's distribution with coin T; nothing needs moving."""
+    tree = build_tree(torch.tensor([9, 4]), [], 1)
+    tree.check_invariants()
+    assert (tree.num_tokens, tree.num_steps) == (1, 0)
+    assert tree.parents.tolist() == [[-1], [-1]] and tree.tree_mask.tolist() == [[[True]]] * 2
+    greedy = verify_greedy(tree, torch.tensor([[5], [7]]))
+    assert greedy.accepted_tokens.tolist() == [[5], [7]]
+    assert greedy.accept_len.tolist() == [0, 0] and greedy.num_new_tokens.tolist() == [1, 1]
+    probs = torch.tensor([[[0.0, 0.5, 0.5]], [[1.0, 0.0, 0.0]]])
+    coins = torch.tensor([[0.9, 0.25], [0.0, 0.99]])  # coin 0 unused: no child to try
+    sampled = verify_sampling(tree, probs, coins)
+    assert sampled.accepted_tokens.tolist() == [[1], [0]]
+    b, _, _ = accepted_path_positions(sampled).needed()
+    assert b.numel() == 0
+    with pytest.raises(ValueError, match="the root alone"):
+        build_tree(torch.tensor([9]), [], 2)
+
+
 def _reference_selection(steps, b: int, t: int, root: int) -> tuple[list[int], list[int]]:
     """Plain-Python best T-1 candidates (score desc, then index), as (tokens, parents)."""
     k, cands = steps[0].tokens.shape[1], []  # (score, index, token, parent candidate)

@@ -101,6 +101,20 @@ class EngineMetrics:
             registry=r,
             buckets=tuple(range(0, 17)),
         ).labels(replica)
+        self.spec_adaptive_steps = gauge(
+            "specd_spec_adaptive_steps",
+            "Draft steps of the active speculation rung (0 = plain decode)",
+        )
+        self.spec_enabled = gauge(
+            "specd_spec_enabled",
+            "1 when the last verify batch speculated, 0 when it ran plain (rung 0 or load)",
+        )
+        self.spec_plain_steps = counter(
+            "specd_spec_plain_steps",
+            "Verify batches run as plain decode (steps 0): reason rung (the active rung) or "
+            "load (policy.maxBatchForSpec)",
+            ["reason"],
+        )
         self.replica = replica
         for pool in ("token", "req_to_token"):  # export zeros: alerts see "no failures"
             for mode in ("idle", "busy"):
@@ -109,6 +123,7 @@ class EngineMetrics:
         self.engine_healthy.set(1)
         # Plain-number copies of the counters /admin/status reports (the operator's input)
         self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.spec_plain = {"rung": 0, "load": 0}
         self.leak_failures = 0
 
     def leak_check(self, pool: str, mode: str, ok: bool) -> None:
@@ -130,6 +145,14 @@ class EngineMetrics:
             self.spec_accept_length.observe(n)
             for depth in range(1, n + 1):
                 self.spec_accepted_by_position.labels(self.replica, str(depth)).inc()
+
+    def observe_rung(self, speculated: bool, by_load: bool) -> None:
+        """Account one verify batch's rung: speculating, or plain and why."""
+        self.spec_enabled.set(1 if speculated else 0)
+        if not speculated:
+            reason = "load" if by_load else "rung"
+            self.spec_plain_steps.labels(self.replica, reason).inc()
+            self.spec_plain[reason] += 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -43,6 +44,7 @@ from specd.workers.mem_cache.sizing import (
     SpecShape,
     admission_headroom,
     ceil_page,
+    check_widest_rung_fits_context,
     kv_pool_tokens,
     row_width,
 )
@@ -54,9 +56,9 @@ from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
 from specd.workers.scheduler.sessions import SessionStore, TurnSettling
+from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import KVWriteOutOfBounds, SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
-from specd.workers.speculative.layout import TreeLayout
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +189,14 @@ class Engine:
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
         self.spec_shape = SpecShape.from_spec(spec.speculative)
+        self.spec_policy: SpecPolicy | None = None
+        if spec.speculative is not None:
+            if spec.speculative.adaptive.enabled:
+                check_widest_rung_fits_context(
+                    self.spec_shape, spec.kv_cache.page_size, self.context_length
+                )
+            self.spec_policy = SpecPolicy(spec.speculative)
+            self.metrics.spec_adaptive_steps.set(self.spec_policy.active.steps)
         self.draft_head: DraftHead | None = None
         if spec.draft is not None:
             draft, draft_config = load_draft(
@@ -265,12 +275,10 @@ class Engine:
                 dtype,
                 self.device,
             )
-            shape = self.spec_shape
             self.spec_decoder = SpecDecoder(
                 self.model,
                 self.draft_head,
-                TreeLayout(page, shape.topk, shape.num_steps),
-                spec.speculative.num_draft_tokens,
+                page,
                 self.req_pool,
                 self.kv_pool,
                 draft_pool,
@@ -431,7 +439,7 @@ class Engine:
     def _synchronous_step(self) -> float:
         """One batch start to finish; a verify under overlap is only launched.  Returns
         the seconds spent waiting for the model."""
-        batch = self.scheduler.schedule()
+        batch = self._with_rung(self.scheduler.schedule())
         self._emit_failed()
         if batch is None:
             return 0.0
@@ -458,7 +466,7 @@ class Engine:
         batch, future = self._pending
         nxt = None
         if not self.scheduler.wants_extend():
-            nxt = self.scheduler.schedule_verify(allow_retract=False)
+            nxt = self._with_rung(self.scheduler.schedule_verify(allow_retract=False))
             self._emit_failed()
         self._pending = None
         if nxt is not None:
@@ -470,9 +478,22 @@ class Engine:
         self._process_verify(batch, out)
         return model_s
 
+    def _with_rung(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
+        """Fix a verify batch's rung when it is scheduled: the adaptive controller's
+        active rung, or plain when the load policy says so (allocation stays widest)."""
+        if batch is None or not batch.verify:
+            return batch
+        rung, by_load = self.spec_policy.choose(len(batch.reqs))
+        return dataclasses.replace(
+            batch,
+            rung=rung,
+            plain_by_load=by_load,
+            extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
+        )
+
     def _submit_verify(self, batch: ScheduledBatch) -> Future:
         return self._compute.submit(
-            self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens)
+            self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
         )
 
     def _settle_pending(self) -> None:
@@ -541,9 +562,20 @@ class Engine:
         accepted = tuple(
             n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live
         )
-        self.metrics.observe_verify(accepted, self.spec_shape.max_draft_tokens - 1)
+        self.metrics.observe_verify(accepted, batch.rung.draft_tokens - 1)
+        self._observe_rung(batch, out)
         for req in updated:
             self._emit(req)
+
+    def _observe_rung(self, batch: ScheduledBatch, out) -> None:
+        """Feed the batch's acceptance (probe hits on the plain rung) to the adaptive
+        controller; every request the verify ran on counts, finished ones too."""
+        rung = batch.rung
+        self.metrics.observe_rung(rung.speculates, batch.plain_by_load)
+        self.spec_policy.observe(
+            rung, batch.plain_by_load, out.accept_lens if rung.speculates else out.probes
+        )
+        self.metrics.spec_adaptive_steps.set(self.spec_policy.active.steps)
 
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
@@ -753,4 +785,11 @@ class Engine:
             "session_kv_tokens": session_tokens,
             # cumulative; mean accept length = 1 + accepted_tokens / verify_steps
             "speculation": dict(self.metrics.spec_totals) if self.spec_shape is not None else None,
+            "adaptive": self._adaptive_status(),
         }
+
+    def _adaptive_status(self) -> dict | None:
+        """The active rung, the controller's estimate and the plain-step counts."""
+        if self.spec_policy is None:
+            return None
+        return {**self.spec_policy.status(), "plain_steps": dict(self.metrics.spec_plain)}

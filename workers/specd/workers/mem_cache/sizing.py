@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.workers.config import ConfigError
 from specd.workers.debug_toggles import reverted
 
 
@@ -28,10 +29,18 @@ class SpecShape:
 
     @classmethod
     def from_spec(cls, speculative) -> SpecShape | None:
-        """From ``DeploymentSpec.speculative`` (None when not speculating)."""
+        """From ``DeploymentSpec.speculative`` (None when not speculating): the max S, k
+        and T over the adaptive ladder (seed 003), so every allocation sized from this
+        fits the widest rung while a narrower one is active (each rule here grows with
+        S, k and T)."""
         if speculative is None:
             return None
-        return cls(speculative.num_steps, speculative.topk, speculative.max_draft_tokens)
+        ladder = speculative.ladder
+        return cls(
+            max(r.steps for r in ladder),
+            max(r.topk for r in ladder),
+            speculative.max_draft_tokens,
+        )
 
 
 def ceil_page(length: int, page_size: int) -> int:
@@ -69,6 +78,20 @@ def extra_context_len(spec: SpecShape | None, page_size: int) -> int:
 def row_width(context_length: int, spec: SpecShape | None, page_size: int) -> int:
     """Width of a ``req_to_token`` row, page aligned so whole-page frees stay in the row."""
     return ceil_page(context_length + extra_context_len(spec, page_size), page_size)
+
+
+def check_widest_rung_fits_context(spec: SpecShape, page_size: int, context_length: int) -> None:
+    """Adaptive speculation: refuse a ladder whose widest rung reserves as many KV
+    positions per decode as the context holds (every request would hold that reserve,
+    sized for the widest rung, whichever rung is active)."""
+    reserve = alloc_reserve_per_decode(spec, page_size)
+    if reserve >= context_length:
+        raise ConfigError(
+            f"spec.speculative.adaptive.candidateSteps: the widest rung (steps "
+            f"{spec.num_steps}, topk {spec.topk}, numDraftTokens {spec.max_draft_tokens}) "
+            f"reserves {reserve} KV positions per decode at page size {page_size}, not "
+            f"below the context length {context_length}; drop or narrow the widest rung"
+        )
 
 
 def decode_alloc_target(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.workers.scheduler.request import Req
+from specd.workers.speculative.rung import Rung
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,10 @@ class ScheduledBatch:
     sample: tuple[bool, ...]
     verify: bool = False  # a speculative decode step (draft tree + verify), not an extend
     granted_lens: tuple[int, ...] = ()  # verify: allocated length each request was given
+    # verify: the rung it drafts with, fixed when scheduled (overlap keeps it), and
+    # whether the load policy made it plain; KV is sized for the widest rung regardless
+    rung: Rung | None = None
+    plain_by_load: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,7 @@
 
 The scheduler has already grown each request's allocation and pre-claimed the root slot;
 this module only reads and writes KV inside ``[root_pos - tail, root_pos + alloc_len)``.
-Per step, for ``bs`` requests (k = topk, S = steps, T = draft tokens)::
+Per step, for ``bs`` requests at the batch's rung (k = topk, S = steps, T = draft tokens)::
 
     draft step 0      logits from the stored draft hidden             -> k nodes
     draft steps 1..S-1  bs*k one-token forwards (prefix + ancestors)  -> k nodes each
@@ -11,6 +11,12 @@ Per step, for ``bs`` requests (k = topk, S = steps, T = draft tokens)::
     accept            greedy walk or tree speculative sampling; move the path's KV
     draft extend      the draft re-reads the accepted tokens with the target's hidden
     (scheduler)       append tokens, stop rules, resolve committed (maybe a step later)
+
+The plain rung (S = 0, T = 1) verifies the root alone: one target token per request,
+chosen exactly as plain decode would (argmax, or a draw from the filtered target
+distribution), then the draft extend over it keeps the draft state current.  Its draft
+step 0 is reduced to a free probe: the draft's top-1 from the stored state, compared
+with the target's token, so the adaptive controller can measure acceptance at rung 0.
 
 Draft position ``p`` pairs token ``p + 1`` with the target hidden of position ``p``
 (``model/eagle.py``), so the draft rows of a verify's accepted path sit at the same row
@@ -34,6 +40,7 @@ from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.layout import TreeLayout
+from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.speculative.tree import (
     DraftTree,
@@ -72,6 +79,8 @@ class SpecStepOut:
 
     new_tokens: tuple[tuple[int, ...], ...]
     accept_lens: tuple[int, ...]  # accepted drafts, bonus excluded
+    # plain rung only: 1 where the draft's top-1 guess equalled the target's token
+    probes: tuple[int, ...] = ()
 
 
 class SpecDecoder:
@@ -79,8 +88,7 @@ class SpecDecoder:
         self,
         target: LlamaForCausalLM,
         head: DraftHead,
-        layout: TreeLayout,
-        num_draft_tokens: int,
+        page_size: int,
         req_pool: ReqToTokenPool,
         target_pool: KVPool,
         draft_pool: KVPool,
@@ -89,8 +97,8 @@ class SpecDecoder:
     ):
         self.target = target
         self.head = head
-        self.layout = layout
-        self.num_draft_tokens = num_draft_tokens
+        self.page_size = page_size
+        self._layouts: dict[Rung, TreeLayout] = {}
         self.req_pool = req_pool
         self.target_pool = target_pool
         self.draft_pool = draft_pool
@@ -98,6 +106,12 @@ class SpecDecoder:
         self.device = device
         self.states: dict[str, DraftState] = {}  # rid -> state; compute side only
         self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
+
+    def layout_for(self, rung: Rung) -> TreeLayout:
+        """The draft-tree placement of ``rung`` (one per rung, built on first use)."""
+        if rung not in self._layouts:
+            self._layouts[rung] = TreeLayout(self.page_size, rung.topk, rung.steps)
+        return self._layouts[rung]
 
     def drop(self, rids: list[str]) -> None:
         """Forget requests that were finished or retracted."""
@@ -154,15 +168,22 @@ class SpecDecoder:
 
     # -- one decode step -----------------------------------------------------
     @torch.inference_mode()
-    def step(self, reqs: list[Req], granted_lens: list[int]) -> SpecStepOut:
-        """Draft, verify and accept for ``reqs`` (``granted_lens``: the allocated length
-        the scheduler gave each for this step); the draft then reads the accepted path,
-        so the next step can start from the new states without the host."""
+    def step(self, reqs: list[Req], granted_lens: list[int], rung: Rung) -> SpecStepOut:
+        """Draft at ``rung``, verify and accept for ``reqs`` (``granted_lens``: the
+        allocated length the scheduler gave each for this step, always sized for the
+        widest rung); the draft then reads the accepted path, so the next step can start
+        from the new states without the host."""
         states = [self.states[r.rid] for r in reqs]
         roots = [s.root_position for s in states]
-        self._check_writes_inside_allocation(reqs, roots, granted_lens)
-        self._duplicate_prefix_tails(reqs, roots)
-        tree = self._draft_tree(reqs, states)
+        layout = self.layout_for(rung)
+        self._check_writes_inside_allocation(reqs, roots, granted_lens, layout, rung)
+        guesses = None
+        if rung.speculates:
+            self._duplicate_prefix_tails(reqs, roots, layout)
+            tree = self._draft_tree(reqs, states, layout, rung.draft_tokens)
+        else:
+            guesses = self._draft_guesses(states)
+            tree = build_tree(self._root_tokens(states), [], 1)
         hidden, aux = self._verify_forward(reqs, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
         result = self._accept(reqs, tree, logits)
@@ -182,19 +203,28 @@ class SpecDecoder:
         outputs = self._draft_extend(reqs, roots, tokens, path_features)
         for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
             self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
+        probes = ()
+        if guesses is not None:  # the bonus is the target's token after the root
+            probes = tuple((guesses == result.bonus_tokens).long().tolist())
         return SpecStepOut(
             new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
+            probes=probes,
         )
 
     def _check_writes_inside_allocation(
-        self, reqs: list[Req], roots: list[int], granted_lens: list[int]
+        self,
+        reqs: list[Req],
+        roots: list[int],
+        granted_lens: list[int],
+        layout: TreeLayout,
+        rung: Rung,
     ) -> None:
-        """Always-on host check: every KV write of this step lands inside the allocation
-        the scheduler granted for it; past it the row holds stale slots that may belong
-        to another request (seed 002)."""
+        """Always-on host check: every KV write of this step (at this rung's layout)
+        lands inside the allocation the scheduler granted for it; past it the row holds
+        stale slots that may belong to another request (seed 002)."""
         for req, root, granted in zip(reqs, roots, granted_lens, strict=True):
-            end = max(self.layout.end(root), root + self.num_draft_tokens)
+            end = max(layout.end(root), root + rung.draft_tokens)
             if end > granted:
                 raise KVWriteOutOfBounds(
                     f"request {req.rid}: this verify step writes row positions up to {end} "
@@ -202,11 +232,13 @@ class SpecDecoder:
                     f"per-decode reserve (mem_cache/sizing.py) is too small"
                 )
 
-    def _duplicate_prefix_tails(self, reqs: list[Req], roots: list[int]) -> None:
+    def _duplicate_prefix_tails(
+        self, reqs: list[Req], roots: list[int], layout: TreeLayout
+    ) -> None:
         """Paged tree layout: copy each prefix's tail page into branches 1..k-1 (draft KV)."""
         src, dst = [], []
         for req, root in zip(reqs, roots, strict=True):
-            for s, d in self.layout.prefix_tail_copies(root):
+            for s, d in layout.prefix_tail_copies(root):
                 src.append(self._slot(req, s))
                 dst.append(self._slot(req, d))
         if src:
@@ -215,8 +247,18 @@ class SpecDecoder:
     def _slot(self, req: Req, position: int) -> torch.Tensor:
         return self.req_pool.req_to_token[req.kv.row, position]
 
-    def _draft_tree(self, reqs: list[Req], states: list[DraftState]) -> DraftTree:
-        k, layout = self.layout.topk, self.layout
+    def _root_tokens(self, states: list[DraftState]) -> torch.Tensor:
+        return torch.tensor([s.root_token for s in states], device=self.device)  # [bs]
+
+    def _draft_guesses(self, states: list[DraftState]) -> torch.Tensor:
+        """[bs] the draft's top-1 token after each root (target ids): the plain rung's probe."""
+        logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
+        return self.head.to_target_ids(logprobs.argmax(-1))
+
+    def _draft_tree(
+        self, reqs: list[Req], states: list[DraftState], layout: TreeLayout, num_tokens: int
+    ) -> DraftTree:
+        k = layout.topk
         roots = [s.root_position for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
         logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
@@ -233,11 +275,12 @@ class SpecDecoder:
                     ancestors, roots, self._parents_of(prev, s), strict=True
                 )
             ]
-            feats, logit_hidden = self._draft_step(reqs, roots, prev.tokens, feats, s, ancestors)
+            feats, logit_hidden = self._draft_step(
+                reqs, roots, prev.tokens, feats, s, ancestors, layout
+            )
             child = self.head.logprobs(logit_hidden.flatten(0, 1)).view(len(reqs), k, -1)
             steps.append(self._to_target(expand_step(prev, child, k)))
-        root_tokens = torch.tensor([s.root_token for s in states], device=self.device)
-        return build_tree(root_tokens, steps, self.num_draft_tokens)
+        return build_tree(self._root_tokens(states), steps, num_tokens)
 
     def _parents_of(self, step: StepOut, s: int) -> list[list[int]]:
         """Index of each node's parent among the previous draft step's inputs (0 at s=1)."""
@@ -256,6 +299,7 @@ class SpecDecoder:
         feats: torch.Tensor,
         s: int,
         ancestors: list[list[list[int]]],
+        layout: TreeLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """bs*k one-token draft forwards; node j reads its branch's prefix + its ancestors."""
         bs, k = tokens.shape
@@ -264,7 +308,7 @@ class SpecDecoder:
         for req, root, anc in zip(reqs, roots, ancestors, strict=True):
             row = table[req.kv.row]
             for j in range(k):
-                prefix = [row[a:b] for a, b in self.layout.prefix_ranges(root, j)]
+                prefix = [row[a:b] for a, b in layout.prefix_ranges(root, j)]
                 slot_lists.append(torch.cat([*prefix, row[anc[j]]]))
                 own.append(row[anc[j][-1]])
         meta = build_metadata_from_slots(slot_lists, [1] * (bs * k))

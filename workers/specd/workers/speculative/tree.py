@@ -158,7 +158,8 @@ def build_tree(
 ) -> DraftTree:
     """Keep the best ``T - 1`` of the S*k drafted nodes, parents first, after the root.
 
-    root_tokens [bs]; steps: S step outputs (each k nodes).  A node's rank score is the
+    root_tokens [bs]; steps: S step outputs (each k nodes); no steps and T = 1 gives the
+    root-only tree of the plain rung.  A node's rank score is the
     min of its own and its ancestors' scores (equal to its cumulative log-prob, which never
     exceeds its parent's); ties go to the lower candidate index ``s*k + j``, which is
     shallower, so a node is only kept if its parent is.  Kept nodes are sorted by
@@ -180,8 +181,14 @@ def build_tree(
         next_token    1 3 -1 -1              c  1 1 0 1
         next_sibling -1 2 -1 -1
     """
-    if not steps:
-        raise ValueError("build_tree needs at least one drafting step")
+    if not steps:  # the plain rung (steps 0): the root alone, verified like plain decode
+        if num_draft_tokens != 1:
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens} without drafting steps: the tree is "
+                f"the root alone (1)"
+            )
+        root = root_tokens.long()[:, None]  # [bs, 1]
+        return DraftTree.from_parents(root, torch.full_like(root, -1), num_steps=0)
     k, num_cand = steps[0].tokens.shape[1], len(steps) * steps[0].tokens.shape[1]
     if not 1 <= num_draft_tokens <= num_cand + 1:
         raise ValueError(

@@ -1,0 +1,142 @@
+"""Adaptive and load-aware speculation: which rung a verify batch drafts with (DESIGN §5).
+
+Plain Python, no torch.  The engine asks ``SpecPolicy.choose`` when it schedules a
+verify batch (the rung is then fixed on the batch, so overlap scheduling is unaffected)
+and feeds the batch's acceptance back with ``SpecPolicy.observe`` when it processes it.
+KV sizing never looks at the active rung: it is always the widest (seed 003).
+
+The rule (``AdaptiveController``; field names are ``speculative.adaptive``'s):
+
+* One observation per verify batch: the mean over its requests of accepted drafts
+  (bonus excluded) divided by the batch's steps.  A plain (steps 0) batch drafts
+  nothing; its observation is the probe: whether the draft's top-1 guess from its stored
+  state equalled the token the target produced (one step, accepted or not).
+* ``rate = (1 - emaAlpha) * rate + emaAlpha * observation``; the first observation seeds
+  it.  ``ema = rate * max(steps, 1)`` is the same estimate in accepted drafts per verify
+  at the active rung.  Keeping it as a rate lets a batch scheduled at another rung (under
+  overlap, one scheduled before a move) and the move itself carry over unconverted.
+* No decision during the first ``warmupBatches`` batches; after that, one decision every
+  ``updateInterval`` batches: an up vote if ``rate >= upThreshold``, a down vote if
+  ``rate < downThreshold``, else no vote.  ``upHysteresis`` consecutive up votes move one
+  rung up, ``downHysteresis`` consecutive down votes one rung down; any other decision
+  breaks the streak, and a move clears both.  The ladder clamps: up votes at the top
+  rung (down votes at the bottom) move nothing.
+
+Load-aware (``speculative.policy.maxBatchForSpec``): a verify batch of more requests runs
+the plain rung instead of a speculating active rung.  Such batches do not feed the
+controller: they measure the load, not the draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specd.workers.speculative.rung import PLAIN, Rung
+
+
+class AdaptiveController:
+    """Moves the active rung along ``ladder`` (narrowest first) by measured acceptance.
+
+    ``params`` is ``speculative.adaptive`` (``AdaptiveSpec``)."""
+
+    def __init__(self, ladder: Sequence[Rung], initial: Rung, params):
+        if not ladder or list(ladder) != sorted(ladder, key=lambda r: r.steps):
+            raise ValueError(f"the ladder must be non-empty, narrowest first: {ladder}")
+        self.ladder = tuple(ladder)
+        self.index = self.ladder.index(initial)
+        self.params = params
+        self.rate: float | None = None  # EMA of accepted drafts / steps
+        self.batches = 0  # verify batches observed
+        self.changes = 0  # rung moves so far
+        self._up_votes = 0
+        self._down_votes = 0
+
+    @property
+    def rung(self) -> Rung:
+        return self.ladder[self.index]
+
+    @property
+    def ema(self) -> float | None:
+        """Accepted drafts per verify at the active rung (the probe hit rate at steps 0)."""
+        return None if self.rate is None else self.rate * max(self.rung.steps, 1)
+
+    def observe(self, rung: Rung, accepted: Sequence[int]) -> bool:
+        """One verify batch run at ``rung``: accepted drafts per request (probe hits, 0
+        or 1, on the plain rung).  Returns True when the active rung moved."""
+        if not accepted:
+            return False
+        observation = sum(accepted) / len(accepted) / max(rung.steps, 1)
+        if self.rate is None:
+            self.rate = observation
+        else:
+            self.rate += self.params.ema_alpha * (observation - self.rate)
+        self.batches += 1
+        after_warmup = self.batches - self.params.warmup_batches
+        if after_warmup <= 0 or after_warmup % self.params.update_interval:
+            return False
+        return self._decide()
+
+    def _decide(self) -> bool:
+        up = self.rate >= self.params.up_threshold
+        down = self.rate < self.params.down_threshold
+        self._up_votes = self._up_votes + 1 if up else 0
+        self._down_votes = self._down_votes + 1 if down else 0
+        step = 0
+        if self._up_votes >= self.params.up_hysteresis and self.index + 1 < len(self.ladder):
+            step = 1
+        elif self._down_votes >= self.params.down_hysteresis and self.index > 0:
+            step = -1
+        if not step:
+            return False
+        self.index += step
+        self.changes += 1
+        self._up_votes = self._down_votes = 0
+        return True
+
+
+class SpecPolicy:
+    """The engine's one place that picks a verify batch's rung: the adaptive controller's
+    active rung (or the one configured rung), or the plain rung under load.
+
+    ``speculative`` is ``DeploymentSpec.speculative`` (``SpeculativeSpec``)."""
+
+    def __init__(self, speculative):
+        self.fixed = speculative.initial_rung
+        self.controller = (
+            AdaptiveController(speculative.ladder, speculative.initial_rung, speculative.adaptive)
+            if speculative.adaptive.enabled
+            else None
+        )
+        self.max_batch_for_spec = speculative.policy.max_batch_for_spec
+
+    @property
+    def active(self) -> Rung:
+        return self.controller.rung if self.controller is not None else self.fixed
+
+    def choose(self, batch_size: int) -> tuple[Rung, bool]:
+        """-> (the rung a verify batch of ``batch_size`` requests runs, whether the load
+        policy made it plain)."""
+        rung = self.active
+        limit = self.max_batch_for_spec
+        if rung.speculates and limit is not None and batch_size > limit:
+            return PLAIN, True
+        return rung, False
+
+    def observe(self, rung: Rung, by_load: bool, accepted: Sequence[int]) -> None:
+        """Feed a processed batch's accepted drafts (probe hits on the plain rung)."""
+        if self.controller is not None and not by_load:
+            self.controller.observe(rung, accepted)
+
+    def status(self) -> dict:
+        rung, c = self.active, self.controller
+        return {
+            "enabled": c is not None,
+            "steps": rung.steps,
+            "topk": rung.topk,
+            "draft_tokens": rung.draft_tokens,
+            "ema": None if c is None or c.ema is None else round(c.ema, 4),
+            "acceptance_rate": None if c is None or c.rate is None else round(c.rate, 4),
+            "batches": 0 if c is None else c.batches,
+            "rung_changes": 0 if c is None else c.changes,
+            "max_batch_for_spec": self.max_batch_for_spec,
+        }

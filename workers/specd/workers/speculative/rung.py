@@ -1,0 +1,29 @@
+"""A rung of the adaptive speculation ladder: how one verify step drafts (DESIGN §5).
+
+Plain Python (the config imports it, and the operator imports the config).  A rung is
+(S, k, T) = (draft steps, topk, verify tokens with the root).  ``steps == 0`` is the
+plain rung: the verify runs the root alone (T = 1), i.e. one target token per request,
+exactly like plain decode.  KV is never sized by the active rung, always by the widest
+one (``SpeculativeSpec.max_draft_tokens``, ``SpecShape.from_spec``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    steps: int  # S; 0 = plain decode
+    topk: int  # k; 1 = chain
+    draft_tokens: int  # T, the root included (1 on the plain rung)
+
+    @property
+    def speculates(self) -> bool:
+        return self.steps > 0
+
+    def label(self) -> str:
+        return f"steps={self.steps} topk={self.topk} T={self.draft_tokens}"
+
+
+PLAIN = Rung(0, 1, 1)
