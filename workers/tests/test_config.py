@@ -68,9 +68,9 @@ def test_defaults():
             id="speculative-without-draft",
         ),
         pytest.param(
-            {"sessions": {"enabled": True}},
-            "spec.sessions.enabled: streaming sessions are not yet",
-            id="not-yet",
+            {"sessions": {"enabled": True, "maxSessions": 0}},
+            "spec.sessions.maxSessions: Input should be greater than or equal to 1",
+            id="max-sessions",
         ),
     ],
 )
