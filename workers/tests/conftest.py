@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +61,13 @@ def serve_gateway(ray_cluster):
         gw.stop()
         thread.join(timeout=60)
         assert not thread.is_alive(), "a gateway did not stop"
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_models, tmp_path_factory):
+    """(target folder, EAGLE draft folder, EAGLE-3 draft folder): random weights, so the
+    drafts' acceptance is near zero."""
+    target = tiny_models("gqa")
+    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target)
+    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target)
+    return target, str(eagle), str(eagle3)

@@ -25,7 +25,7 @@ from specd.workers.testing import (
     run_all,
     start_engine,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
+from specd.workers.tools.tiny_draft import make_tiny_eagle
 
 MAX_NEW = 20
 CHAIN = [Rung(0, 1, 1), Rung(1, 1, 2), Rung(3, 1, 4)]
@@ -235,15 +235,6 @@ def test_widest_rung_must_fit_the_context(pair):
 
 
 # -- engines on the tiny pair (random draft: acceptance near zero) ----------------------
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_models, tmp_path_factory):
-    """(target folder, EAGLE draft folder, EAGLE-3 draft folder), random weights."""
-    target = tiny_models("gqa")
-    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target)
-    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target)
-    return target, str(eagle), str(eagle3)
 
 
 @pytest.fixture(scope="module")

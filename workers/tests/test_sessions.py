@@ -20,7 +20,6 @@ from specd.workers.testing import (
     start_engine,
     wait_idle,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle
 
 MAX_NEW = 12
 CONFIGS = {
@@ -39,9 +38,8 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory):
-    target = tiny_models("gqa")
-    return target, str(make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target))
+def models(pair):
+    return pair[0], pair[1]  # target, EAGLE draft (random weights)
 
 
 def session_engine(models, config, **extra):

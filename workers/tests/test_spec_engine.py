@@ -27,18 +27,9 @@ from specd.workers.testing import (
     start_engine,
     wait_idle,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
+from specd.workers.tools.tiny_draft import make_tiny_eagle
 
 MAX_NEW = 20
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_models, tmp_path_factory):
-    """(target folder, EAGLE draft folder, EAGLE-3 draft folder)."""
-    target = tiny_models("gqa")
-    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target)
-    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target)
-    return target, str(eagle), str(eagle3)
 
 
 @pytest.fixture(scope="module")
