@@ -5,7 +5,6 @@ the widest rung."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +17,7 @@ from specd.workers.mem_cache.sizing import SpecShape, alloc_reserve_per_decode
 from specd.workers.speculative.adaptive import AdaptiveController, SpecPolicy
 from specd.workers.speculative.rung import PLAIN, Rung
 from specd.workers.testing import (
+    DEMO_MODELS,
     check_exact_run,
     hf_greedy,
     metric_value,
@@ -382,16 +382,14 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
 
 # -- the trained demo pair: a repetitive prompt the draft predicts ------------------------
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "models"
-
 
 @pytest.fixture(scope="module")
 def demo_repetitive():
     """A comment rule the demo model continues as '#' lines: the draft accepts nearly
     everything -> (prompt, plain greedy output)."""
-    tok = Tokenizer.from_file(str(DEMO / "demo-target" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
     prompt = tok.encode("# " + "-" * 60 + "\n").ids
-    plain = start_engine(str(DEMO / "demo-target"))
+    plain = start_engine(str(DEMO_MODELS / "demo-target"))
     try:
         [(tokens, _, _)] = run_all(plain, [prompt], max_tokens=MAX_NEW + 10, ignore_eos=True)
     finally:
@@ -409,10 +407,10 @@ def demo_repetitive():
 def test_trained_draft_moves_the_rung_up(demo_repetitive, candidates, num_steps, overlap):
     prompt, expected = demo_repetitive
     engine = start_engine(
-        str(DEMO / "demo-target"),
+        str(DEMO_MODELS / "demo-target"),
         kvCache={"pageSize": 4},
         scheduler={"overlap": overlap},
-        draft={"path": str(DEMO / "demo-eagle")},
+        draft={"path": str(DEMO_MODELS / "demo-eagle")},
         speculative={
             "numSteps": max(num_steps, 1),
             "numDraftTokens": max(num_steps, 1) + 1,

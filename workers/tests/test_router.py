@@ -1,4 +1,4 @@
-"""Replica routing (`router.pick_replica`, `pick_session_replica`) and session ids as
+"""Replica routing (`router.pick_replica`, also ``for_session``) and session ids as
 tables.  No Ray cluster, no HTTP."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from specd.workers.router import (
     ReplicaLoad,
     parse_session_token,
     pick_replica,
-    pick_session_replica,
     session_token,
 )
 
@@ -57,8 +56,8 @@ SESSION_ROUTING = {
 
 @pytest.mark.parametrize("replicas,expected", SESSION_ROUTING.values(), ids=SESSION_ROUTING.keys())
 def test_pick_session_replica(replicas, expected):
-    assert pick_session_replica(replicas) == expected
-    assert pick_session_replica(reversed(replicas)) == expected
+    assert pick_replica(replicas, for_session=True) == expected
+    assert pick_replica(reversed(replicas), for_session=True) == expected
 
 
 @pytest.mark.parametrize("deployment", ["chat", "my.model-v2"])

@@ -6,13 +6,17 @@ sessions closed, no KV held and no leak-check failure."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import time
 
 import pytest
+from tokenizers import Tokenizer
 
 from specd.workers.debug_toggles import reverted_behaviours
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 from specd.workers.testing import (
+    DEMO_MODELS,
     collect,
     hf_greedy,
     metric_value,
@@ -379,5 +383,44 @@ def test_fault_toggles_fail_the_session_leak_check(models, toggle, toggle_name):
     try:
         run_sessions(engine, [chain], max_tokens=100)
         assert leak_failures(engine) >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_reserve_single_toggle_fails_the_session_leak_check(toggle):
+    """Overlap runs a verify ahead of the committed lengths only when drafts are
+    accepted, so this uses the shipped trained pair on Python source (which its draft
+    predicts well): clean with the 2x reserve; with a single reserve a verify would
+    write past its allocation, which the write-bounds check stops and counts as a
+    req_to_token leak-check failure."""
+    target, draft = DEMO_MODELS / "demo-target", DEMO_MODELS / "demo-eagle"
+    tokens = (
+        Tokenizer.from_file(str(target / "tokenizer.json"))
+        .encode(inspect.getsource(json.decoder))
+        .ids
+    )
+    chains = [
+        [tokens[s * 200 : s * 200 + 40], tokens[s * 200 + 40 : s * 200 + 60]] for s in range(2)
+    ]
+    pair = (str(target), str(draft))
+    spec = {
+        "speculative": {"numSteps": 5, "topk": 1, "numDraftTokens": 6},
+        "scheduler": {"overlap": True},
+    }
+    clean = session_engine(pair, spec)
+    try:
+        run_sessions(clean, chains, max_tokens=40)
+        assert metric_value(clean, "specd_spec_accepted_tokens_total") > 0
+        assert leak_failures(clean) == 0
+        assert_clean(clean)
+    finally:
+        clean.shutdown()
+    toggle("reserve-single")
+    engine = session_engine(pair, spec)
+    try:
+        run_sessions(engine, chains, max_tokens=40)
+        assert (
+            metric_value(engine, "specd_leak_checks_total", pool="req_to_token", result="fail") >= 1
+        )
     finally:
         engine.shutdown()

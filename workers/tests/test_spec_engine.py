@@ -4,7 +4,6 @@ sampling distribution, fault toggles, metrics and KV accounting."""
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.sizing import SpecShape
 from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.testing import (
+    DEMO_MODELS,
     check_exact_run,
     check_small_pool_run,
     hf_greedy,
@@ -250,22 +250,20 @@ def test_backend_without_paged_tree_is_refused():
 
 # -- the shipped demo pair: real acceptance, so the seeds' bugs show ------------------
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "models"
-
 
 def demo_prompts(n=4, length=48):
     """Python source like the demo's training text (the draft accepts a lot on it)."""
     import json as json_module
 
-    tok = Tokenizer.from_file(str(DEMO / "demo-target" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
     ids = tok.encode(inspect.getsource(json_module.decoder)).ids
     return [ids[i * 97 : i * 97 + length] for i in range(n)]
 
 
 def demo_engine(**spec):
     return start_engine(
-        str(DEMO / "demo-target"),
-        draft={"path": str(DEMO / "demo-eagle")},
+        str(DEMO_MODELS / "demo-target"),
+        draft={"path": str(DEMO_MODELS / "demo-eagle")},
         **spec,
     )
 
@@ -280,7 +278,7 @@ def demo_run(engine, prompts, new_tokens=40):
 @pytest.fixture(scope="module")
 def demo_reference():
     prompts = demo_prompts()
-    plain = start_engine(str(DEMO / "demo-target"))
+    plain = start_engine(str(DEMO_MODELS / "demo-target"))
     return prompts, [r[0] for r in demo_run(plain, prompts)]
 
 
@@ -364,8 +362,8 @@ def test_stop_string_inside_accepted_tokens_cuts_like_plain_decode(demo_referenc
     text, finish reason and completion_tokens, for stop strings taken from many
     positions of the output (so some fall inside multi-token verify results)."""
     prompts, _ = demo_reference
-    tok = Tokenizer.from_file(str(DEMO / "demo-target" / "tokenizer.json"))
-    plain = start_engine(str(DEMO / "demo-target"))
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    plain = start_engine(str(DEMO_MODELS / "demo-target"))
     spec = demo_engine(speculative={"numSteps": 5, "topk": 1, "numDraftTokens": 6})
     try:
         [(tokens, text, _)] = run_all(plain, prompts[:1], max_tokens=48, ignore_eos=True)

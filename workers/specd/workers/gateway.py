@@ -17,7 +17,7 @@ Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an i
 names that replica's actor (`router.session_token`), so any gateway routes a turn
 (a generation request with ``session_id``) to it without shared state.  A turn goes
 to that replica only; if it has left the pool the session is gone (410).  A turn's
-prompt continues the session's history, so the gateway gives it no BOS of its own.
+prompt is tokenized as usual; the engine drops the BOS of turns after the first.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class _Api:
             )
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        """Token ids as sent are used verbatim; text is tokenized (a turn without BOS)."""
+        """Token ids as sent are used verbatim; text is tokenized."""
         if isinstance(body.prompt, str):
             return list(self.tokenizer(body.prompt)["input_ids"])
         return list(body.prompt)
@@ -270,12 +270,11 @@ class _Api:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The chat template over ``messages`` (a session turn: the new messages only)."""
         try:
-            ids = apply_chat_template(self.tokenizer, body.chat_messages())
+            return apply_chat_template(self.tokenizer, body.chat_messages())
         except Exception as err:  # jinja template errors: the messages do not fit the template
             raise ApiError(
                 400, f"messages: the model's chat template refused them: {err}", "messages"
             ) from err
-        return ids
 
     # -- sessions -------------------------------------------------------------
     def check_sessions_enabled(self, param: str | None) -> None:

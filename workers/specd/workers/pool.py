@@ -35,7 +35,7 @@ from ray.exceptions import RayActorError, RayError
 from specd.workers.actor import create_engine_actor
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
-from specd.workers.router import ReplicaLoad, pick_replica, pick_session_replica
+from specd.workers.router import ReplicaLoad, pick_replica
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +297,7 @@ class PoolController:
         """The least-loaded ready replica not in ``exclude``; ``for_session``: the one a
         new session should go to (see `router`)."""
         candidates = {r.name: r for r in self.ready() if r.name not in exclude}
-        policy = pick_session_replica if for_session else pick_replica
-        name = policy(r.router_load() for r in candidates.values())
+        name = pick_replica((r.router_load() for r in candidates.values()), for_session=for_session)
         return None if name is None else candidates[name]
 
     def serving_actor(self, ray_name: str) -> Replica | None:

@@ -40,15 +40,11 @@ class ReplicaLoad:
         return (self.sessions_open, *self.key())
 
 
-def pick_replica(replicas: Iterable[ReplicaLoad]) -> str | None:
-    """Name of the least-loaded replica, or ``None`` when there is none."""
-    best = min(replicas, key=ReplicaLoad.key, default=None)
-    return None if best is None else best.name
-
-
-def pick_session_replica(replicas: Iterable[ReplicaLoad]) -> str | None:
-    """Where a new session goes: fewest open sessions, then least loaded."""
-    best = min(replicas, key=ReplicaLoad.session_key, default=None)
+def pick_replica(replicas: Iterable[ReplicaLoad], *, for_session: bool = False) -> str | None:
+    """Name of the least-loaded replica (``for_session``: where a new session goes, the
+    fewest open sessions first), or ``None`` when there is none."""
+    key = ReplicaLoad.session_key if for_session else ReplicaLoad.key
+    best = min(replicas, key=key, default=None)
     return None if best is None else best.name
 
 

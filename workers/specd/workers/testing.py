@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,6 +14,9 @@ from transformers import AutoModelForCausalLM
 from specd.workers.config import spec_for_model
 from specd.workers.engine.engine import Engine
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
+
+# The trained demo pair the repo ships (demo-target, demo-eagle), from a source checkout.
+DEMO_MODELS = Path(__file__).resolve().parents[3] / "examples" / "models"
 
 
 def start_engine(model_path, **overrides) -> Engine:

@@ -593,14 +593,19 @@ class Engine:
             self._idle_checked = False
             if kind == "add":
                 self._add(item)
-            elif kind == "abort" and self._unpark(item):
-                continue  # a parked turn was never queued: its caller has left
-            elif kind == "abort" and (req := self.scheduler.abort(item)) is not None:
-                self.metrics.aborts.inc()
-                self._emit(req)
+            elif kind == "abort":
+                self._abort(item)
             elif kind == "close" and (turn := self.sessions.close_now(item)) is not None:
-                self.scheduler.abort(turn.rid)
-                self._emit(turn)
+                self._abort(turn.rid)
+
+    def _abort(self, rid: str) -> None:
+        """Abort ``rid`` wherever it is: parked (never queued; its caller has left) or
+        in the scheduler."""
+        if self._unpark(rid):
+            return
+        if (req := self.scheduler.abort(rid)) is not None:
+            self.metrics.aborts.inc()
+            self._emit(req)
 
     def _add(self, stream: _Stream) -> None:
         """Queue a request; a session turn first joins its session's history and KV."""
@@ -616,8 +621,7 @@ class Engine:
                 self._parked.append(stream)
                 return
             except InvalidRequest as err:
-                delta = self._error_delta(req.rid, str(err), getattr(err, "code", 400))
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+                self._send(stream, self._error_delta(req.rid, str(err), getattr(err, "code", 400)))
                 return
         stream.detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), req.params.stop)
         self._streams[req.rid] = stream
@@ -658,6 +662,11 @@ class Engine:
         if req.finished:
             delta = self._finish_delta(req, delta, now)
             del self._streams[req.rid]
+        self._send(stream, delta)
+
+    @staticmethod
+    def _send(stream: _Stream, delta: GenerateDelta) -> None:
+        """Hand ``delta`` to the stream's consumer, on its event loop."""
         with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
 
@@ -764,8 +773,9 @@ class Engine:
         self.metrics.requests_running.set(len(s.running))
         self.metrics.requests_queued.set(len(s.waiting))
         self.metrics.kv_tokens_used.set(a.used_tokens)
-        self.metrics.kv_tokens_reserved.set(self.kv.reserved_tokens)
-        self.metrics.kv_reserve_ratio.set(self.kv.reserved_tokens / max(a.used_tokens, 1))
+        reserved = self.kv.reserved_tokens
+        self.metrics.kv_tokens_reserved.set(reserved)
+        self.metrics.kv_reserve_ratio.set(reserved / max(a.used_tokens, 1))
         session_tokens = self.sessions.held_tokens()
         self.metrics.sessions_open.set(self.sessions.num_open)
         self.metrics.session_kv_tokens.set(session_tokens)
@@ -779,7 +789,7 @@ class Engine:
             "kv_total_tokens": a.total_tokens,
             "kv_usage": a.used_tokens / a.total_tokens,
             "retractions": s.num_retractions,
-            "kv_reserved_tokens": self.kv.reserved_tokens,
+            "kv_reserved_tokens": reserved,
             "leak_check_failures": self.metrics.leak_failures,
             "sessions_open": self.sessions.num_open,
             "session_kv_tokens": session_tokens,

@@ -9,6 +9,7 @@ over-allocation).  Frees are rounded up to page boundaries.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,11 @@ class RequestKV:
                 f"KV lengths out of order: committed {self.committed}, "
                 f"allocated {self.allocated}, row width {width}"
             )
+
+
+def held_slots(holders: Iterable[RequestKV], page_size: int) -> int:
+    """Token slots ``holders`` hold: whole pages, ``ceil_page(allocated)`` each."""
+    return sum(ceil_page(kv.allocated, page_size) for kv in holders)
 
 
 class RowWidthExceeded(RuntimeError):

@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
-from specd.workers.mem_cache.kv_manager import RequestKV
+from specd.workers.mem_cache.kv_manager import RequestKV, held_slots
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.mem_cache.sizing import ceil_page
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +39,8 @@ def token_pool_balance(
     requests: Sequence[RequestKV],
     sessions: Sequence[RequestKV],
 ) -> PoolBalance:
-    page = allocator.page_size
-    held_by_requests = sum(ceil_page(kv.allocated, page) for kv in requests)
-    session_held = sum(ceil_page(kv.allocated, page) for kv in sessions)
+    held_by_requests = held_slots(requests, allocator.page_size)
+    session_held = held_slots(sessions, allocator.page_size)
     breakdown = {
         "total": allocator.total_tokens,
         "free": allocator.free_tokens,

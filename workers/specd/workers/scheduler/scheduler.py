@@ -100,8 +100,11 @@ class Scheduler:
 
     def kv_holders(self) -> list[Req]:
         """Every request that holds KV right now (the leak checks' ``requests``)."""
-        waiting = [r for r in self.waiting if r.kv.row is not None]  # session turns
-        return self.running + waiting + self.deferred
+        return self.running + self._waiting_with_kv() + self.deferred
+
+    def _waiting_with_kv(self) -> list[Req]:
+        """Waiting requests that hold KV: session turns, whose history is their KV."""
+        return [r for r in self.waiting if r.kv.row is not None]
 
     def _forget(self, req: Req) -> None:
         req.spec_ready = False
@@ -231,11 +234,10 @@ class Scheduler:
         Their tokens are kept; the next turn prefills the history again.  False if
         there was nothing to free."""
         freed = False
-        holders = [r.kv for r in reversed(self.waiting) if r.kv.row is not None]
-        for kv in holders:
+        for req in reversed(self._waiting_with_kv()):
             if self.kv.allocator.free_tokens >= tokens:
                 return freed
-            self.kv.release(kv)
+            self.kv.release(req.kv)
             self.num_session_evictions += 1
             freed = True
         while self.kv.allocator.free_tokens < tokens and self.sessions is not None:

@@ -29,8 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specd.workers.engine.types import FinishReason, SessionError
-from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
-from specd.workers.mem_cache.sizing import ceil_page
+from specd.workers.mem_cache.kv_manager import KVManager, RequestKV, held_slots
 from specd.workers.scheduler.request import Req
 
 _REMEMBERED_ENDED = 4096  # closed/expired ids kept for a 410 answer
@@ -198,11 +197,7 @@ class SessionStore:
 
     def held_tokens(self) -> int:
         """KV slots (whole pages) held by sessions between turns."""
-        page = self.kv.page_size
-        return sum(ceil_page(s.kv.allocated, page) for s in self.idle_sessions())
-
-    def held_rows(self) -> int:
-        return sum(1 for s in self.idle_sessions() if s.kv.row is not None)
+        return held_slots((s.kv for s in self.idle_sessions()), self.kv.page_size)
 
     def check(self) -> None:
         """Every idle session holds exactly its history's KV (or none): raises
@@ -240,9 +235,8 @@ def save_turn(kv: KVManager, session: Session, req: Req) -> None:
 
 def trim_overshoot(kv: KVManager, held: RequestKV, target: int) -> None:
     """Speculation may have committed or allocated past the turn's last token: free
-    ``[ceil_page(target), allocated)`` and clamp both lengths to ``target``."""
-    if held.row is None:  # retracted and never re-admitted: nothing held
-        return
+    ``[ceil_page(target), allocated)`` and clamp both lengths to ``target`` (a turn
+    retracted and never re-admitted holds nothing: nothing changes)."""
     kv.free_tail(held, target)
 
 

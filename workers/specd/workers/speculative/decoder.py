@@ -252,8 +252,11 @@ class SpecDecoder:
 
     def _draft_guesses(self, states: list[DraftState]) -> torch.Tensor:
         """[bs] the draft's top-1 token after each root (target ids): the plain rung's probe."""
-        logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
-        return self.head.to_target_ids(logprobs.argmax(-1))
+        return self.head.to_target_ids(self._root_logprobs(states).argmax(-1))
+
+    def _root_logprobs(self, states: list[DraftState]) -> torch.Tensor:
+        """[bs, V_draft] the draft's log-probs of the token after each root."""
+        return self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
 
     def _draft_tree(
         self, reqs: list[Req], states: list[DraftState], layout: TreeLayout, num_tokens: int
@@ -261,7 +264,7 @@ class SpecDecoder:
         k = layout.topk
         roots = [s.root_position for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
-        logprobs = self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
+        logprobs = self._root_logprobs(states)
         steps = [self._to_target(first_step(logprobs, k))]
         feats = root_feats[:, None, :].expand(-1, k, -1)  # [bs, k, H] inputs of step 1
         ancestors: list[list[list[int]]] = [[[] for _ in range(k)] for _ in reqs]
