@@ -27,3 +27,15 @@ def test_prepack_swaps_every_linear_and_skips_unsupported_dtypes():
     assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
     half = nn.Sequential(nn.Linear(8, 8)).half()
     assert prepack_linears(half) == 0 and isinstance(half[0], nn.Linear)
+
+
+def test_bf16_is_packed_only_where_this_cpu_can_and_still_runs_where_it_cannot():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16)).to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = model(x)
+        packed = prepack_linears(model)
+        assert packed == (1 if prepack_supported(torch.bfloat16) else 0)
+        assert isinstance(model[0], PackedLinear) == bool(packed)
+        torch.testing.assert_close(model(x), expected, atol=2e-2, rtol=2e-2)

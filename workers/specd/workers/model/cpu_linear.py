@@ -9,6 +9,7 @@ exactness tests against transformers run with packing on.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -17,12 +18,22 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+@functools.cache
 def prepack_supported(dtype: torch.dtype) -> bool:
-    return (
+    """Whether oneDNN can pack ``dtype`` weights on this CPU: tried once on a tiny
+    weight (bf16 packing needs AVX-512 or AVX-NE-CONVERT, which many AMD and older
+    Intel CPUs lack; torch then raises instead of falling back)."""
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and dtype in (torch.float32, torch.bfloat16)
-    )
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
