@@ -1,140 +1,17 @@
-"""Fixtures: a fake API server (kmock) and a fake gateway on a background loop, kopf in
-`KopfRunner`'s thread, kubectl as a subprocess.  Nothing blocks the loop that serves
-the fakes: tests talk to them through `Cluster.call` (thread-safe)."""
+"""Fixtures: the fake cluster (`specd.operator.testing.cluster`), kopf in `KopfRunner`'s
+thread, kubectl as a subprocess."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp.web
-import kmock
 import pytest
-import yaml
 
-from specd.operator.crd import build_crd
+from specd.operator.testing.cluster import NAMESPACE, REPO, Cluster, load_example
 
-from .fake_kube import FakeKube
-
-NAMESPACE = "default"
-REPO = Path(__file__).resolve().parents[2]
-
-
-class FakeGateway:
-    """Serves ``/{namespace}/{name}/admin/status`` from documents the test sets."""
-
-    def __init__(self) -> None:
-        self.docs: dict[tuple[str, str], dict[str, Any]] = {}
-        self.polls: dict[tuple[str, str], int] = {}
-        self.app = aiohttp.web.Application()
-        self.app.router.add_get("/{namespace}/{name}/admin/status", self._status)
-        self.port = 0
-
-    async def _status(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
-        key = (request.match_info["namespace"], request.match_info["name"])
-        self.polls[key] = self.polls.get(key, 0) + 1
-        if key not in self.docs:
-            return aiohttp.web.json_response({"error": "not up"}, status=503)
-        return aiohttp.web.json_response(self.docs[key])
-
-    def url(self, namespace: str, name: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{namespace}/{name}"
-
-
-class Cluster:
-    """The fakes on their own event loop thread."""
-
-    def __init__(self, *, kuberay: bool = True, prometheus: bool = True) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.kuberay, self.prometheus = kuberay, prometheus
-        self.gateway = FakeGateway()
-        self.call(self._start())
-
-    def call(self, coro: Any, timeout: float = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        async def wrapper() -> Any:
-            return fn()
-
-        return self.call(wrapper())
-
-    async def _start(self) -> None:
-        self.kube = FakeKube()
-        await self.kube.__aenter__()
-        self.server = kmock.Server(self.kube)
-        await self.server.__aenter__()
-        kube = self.kube
-        self.sdd = kube.install_crd(build_crd())
-        self.configmaps = kube.serve("", "v1", "configmaps", "ConfigMap")
-        self.services = kube.serve("", "v1", "services", "Service")
-        self.events = kube.serve("", "v1", "events", "Event")
-        kube.serve("", "v1", "namespaces", "Namespace", namespaced=False)
-        self.deployments = kube.serve("apps", "v1", "deployments", "Deployment")
-        if self.kuberay:
-            self.rayclusters = kube.serve("ray.io", "v1", "rayclusters", "RayCluster")
-        if self.prometheus:
-            self.servicemonitors = kube.serve(
-                "monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor"
-            )
-        runner = aiohttp.web.AppRunner(self.gateway.app)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.gateway.port = site._server.sockets[0].getsockname()[1]
-        self._gateway_runner = runner
-
-    async def _stop(self) -> None:
-        await self._gateway_runner.cleanup()
-        await self.server.__aexit__(None, None, None)
-        await self.kube.__aexit__(None, None, None)
-
-    def close(self) -> None:
-        self.call(self._stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-    @property
-    def url(self) -> str:
-        return str(self.server.url).rstrip("/")
-
-    # -- object access (on the fakes' loop) -----------------------------------
-    def get(self, res: Any, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
-        return self.run(lambda: self.kube.get(res, namespace, name))
-
-    def wait_for(
-        self, predicate: Callable[[], Any], timeout: float = 15, what: str = "condition"
-    ) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    def kubeconfig(self, path: Path) -> Path:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {}}],
-            "contexts": [
-                {
-                    "name": "fake",
-                    "context": {"cluster": "fake", "user": "fake", "namespace": NAMESPACE},
-                }
-            ],
-            "current-context": "fake",
-        }
-        path.write_text(yaml.safe_dump(config))
-        return path
+__all__ = ["NAMESPACE", "REPO", "Cluster", "load_example"]
 
 
 @pytest.fixture()
@@ -155,7 +32,3 @@ def cluster_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 @pytest.fixture()
 def cluster(cluster_factory: Callable) -> Cluster:
     return cluster_factory()
-
-
-def load_example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((REPO / "examples" / name).read_text())

@@ -22,6 +22,8 @@ def actor(
     kv_total: int = 1000,
     leaks: int = 0,
     speculating: bool = True,
+    restarts: int = 0,
+    adaptive_steps: int | None = None,
 ) -> dict[str, Any]:
     load = {
         "replica": name,
@@ -40,6 +42,7 @@ def actor(
             if speculating
             else None
         ),
+        "adaptive": None if adaptive_steps is None else {"steps": adaptive_steps, "topk": 1},
         "healthy": True,
         "last_error": None,
         "draining": False,
@@ -54,6 +57,7 @@ def actor(
         "context_length": 4096,
         "load": load if state == "ready" else {},
         "error": None,
+        "restarts": restarts,
     }
 
 
@@ -80,6 +84,7 @@ def gateway_doc(
         "converged": len(actors) == spec.replicas
         and all(a["state"] == "ready" and a["config_hash"] == want for a in actors),
         "kv_usage": max((a["load"]["kv_usage"] for a in ready), default=0.0),
+        "released": False,
         "actors": actors,
         "events": events or [],
     }

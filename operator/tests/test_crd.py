@@ -18,12 +18,11 @@ import yaml
 from pydantic import ValidationError
 
 from specd.operator.crd import CEL_RULES, build_crd, crd_yaml
+from specd.operator.testing.admission import Admission
 from specd.workers.config import SpecDecodeDeployment
 
-from .admission import Admission
-
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+EXAMPLES = sorted([*(REPO / "examples").glob("*.yaml"), *(REPO / "e2e" / "kind").glob("*.yaml")])
 
 
 @pytest.fixture(scope="module")

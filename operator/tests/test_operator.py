@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +17,11 @@ from typing import Any
 
 import aiohttp
 import yaml
-from kopf.testing import KopfRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.operator.children import ChildOptions
-from specd.operator.handlers import build_registry, operator_settings
 from specd.operator.reconcile import OperatorContext
+from specd.operator.testing.cluster import free_port, kopf_in_thread
 from specd.workers.config import SpecDecodeDeployment
 
 from .conftest import NAMESPACE, REPO, Cluster, load_example
@@ -32,20 +31,16 @@ SDD_PATH = f"/apis/specd.dev/v1alpha1/namespaces/{NAMESPACE}/specdecodedeploymen
 
 
 @contextlib.contextmanager
-def operator(cluster: Cluster) -> Iterator[OperatorContext]:
+def operator(cluster: Cluster, **settings: Any) -> Iterator[OperatorContext]:
     ctx = OperatorContext(
         options=ChildOptions(image="specd:test"),
         poll_interval_s=0.2,
         gateway_timeout_s=1.0,
         gateway_url=cluster.gateway.url,
+        **settings,
     )
-    args = ["run", "--standalone", "--verbose", "--namespace", NAMESPACE]
-    with KopfRunner(
-        args, registry=build_registry(ctx), settings=operator_settings(), timeout=20
-    ) as runner:
+    with kopf_in_thread(ctx):
         yield ctx
-    assert runner.exit_code == 0, runner.output
-    assert runner.exception is None
 
 
 def http(cluster: Cluster, method: str, path: str, body: Any = None, ctype: str | None = None):
@@ -150,6 +145,13 @@ def test_create_makes_every_child_with_owner_references(cluster):
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["interval"] == "15s"
+    # the dashboards' `deployment` label comes from the Service's specd.dev/deployment
+    (relabel,) = monitor["spec"]["endpoints"][0]["relabelings"]
+    assert relabel == {
+        "sourceLabels": ["__meta_kubernetes_service_label_specd_dev_deployment"],
+        "targetLabel": "deployment",
+    }
+    assert svc["metadata"]["labels"]["specd.dev/deployment"] == name
     # Events name each child created
     for kind in ("ConfigMap", "RayCluster", "Deployment", "Service", "ServiceMonitor"):
         assert f"{kind} " in event_messages(cluster)
@@ -177,7 +179,15 @@ def test_status_comes_from_the_gateway_admin_status(cluster):
                     "r0", h, verifies=100, drafts=3100, accepted=150, kv_used=400, kv_reserved=64
                 ),
                 actor(
-                    "r1", h, verifies=100, drafts=3100, accepted=250, kv_used=200, kv_reserved=128
+                    "r1",
+                    h,
+                    verifies=100,
+                    drafts=3100,
+                    accepted=250,
+                    kv_used=200,
+                    kv_reserved=128,
+                    restarts=2,
+                    adaptive_steps=3,
                 ),
             ],
         )
@@ -192,9 +202,9 @@ def test_status_comes_from_the_gateway_admin_status(cluster):
         assert status["speculation"]["acceptLength"] == 3.0
         assert status["speculation"]["acceptRate"] == round(400 / 6200, 3)
         assert status["kv"] == {"usage": 0.4, "reserveUsage": 0.128}
-        assert [(a["name"], a["state"], a["configHash"]) for a in status["actors"]] == [
-            ("r0", "ready", h),
-            ("r1", "ready", h),
+        assert status["actors"] == [
+            {"name": "r0", "state": "ready", "configHash": h, "restarts": 0},
+            {"name": "r1", "state": "ready", "configHash": h, "restarts": 2, "specSteps": 3},
         ]
         assert condition(sdd(cluster, "demo"), "SpeculationEffective")["status"] == "True"
         assert condition(sdd(cluster, "demo"), "Degraded")["status"] == "False"
@@ -280,7 +290,7 @@ def test_scale_subresource_changes_replicas_and_the_children(cluster):
         assert yaml.safe_load(cm["data"]["deployment.yaml"])["spec"]["replicas"] == 3
         assert cm["data"]["configHash"] == spec_of(doc).config_hash()  # no roll for a scale
         cluster.wait_for(
-            lambda: sdd(cluster, "demo")["status"].get("ready") == "0/3", what="READY 0/3"
+            lambda: sdd(cluster, "demo").get("status", {}).get("ready") == "0/3", what="READY 0/3"
         )
         assert sdd(cluster, "demo")["status"]["observedGeneration"] == 2
 
@@ -289,6 +299,9 @@ def test_delete_leaves_cleanup_to_owner_references(cluster):
     with operator(cluster):
         uid = create(cluster, _demo_spec_doc())["metadata"]["uid"]
         cluster.wait_for(lambda: cluster.get(cluster.services, "demo-gateway"))
+        cluster.wait_for(lambda: sdd(cluster, "demo").get("status"), what="status polled")
+        # managed Ray: no finalizer, so a delete never waits for the operator
+        assert not sdd(cluster, "demo")["metadata"].get("finalizers")
         status, _ = http(cluster, "DELETE", f"{SDD_PATH}/demo")
         assert status == 200
         cluster.wait_for(lambda: sdd(cluster, "demo") is None, what="SDD deleted")
@@ -302,20 +315,47 @@ def test_delete_leaves_cleanup_to_owner_references(cluster):
         assert cluster.get(res, name)["metadata"]["ownerReferences"][0]["uid"] == uid
 
 
-def test_delete_with_external_ray_stops_the_gateway_first(cluster):
+def test_delete_with_external_ray_has_the_gateway_release_its_actors_first(cluster):
     doc = load_example("external-ray.yaml")
+    spec = spec_of(doc)
     with operator(cluster):
-        create(cluster, doc)
+        uid = create(cluster, doc)["metadata"]["uid"]
         deploy = cluster.wait_for(lambda: cluster.get(cluster.deployments, "shared-ray-gateway"))
-        assert (
-            "--address=ray-head.ray-system.svc:6379"
-            in deploy["spec"]["template"]["spec"]["containers"][0]["command"][-1]
-        )
+        (container,) = deploy["spec"]["template"]["spec"]["containers"]
+        assert "--address=ray-head.ray-system.svc:6379" in container["command"][-1]
+        assert container["env"] == [{"name": "SPECD_ADMIN_TOKEN", "value": uid}]
         assert cluster.get(cluster.rayclusters, "shared-ray-ray") is None  # nothing managed
         assert sdd(cluster, "shared-ray")["metadata"]["finalizers"]
+        key = (NAMESPACE, "shared-ray")
+        cluster.gateway.docs[key] = gateway_doc(
+            spec, [actor("r0", spec.config_hash()), actor("r1", spec.config_hash())]
+        )
         http(cluster, "DELETE", f"{SDD_PATH}/shared-ray")
         cluster.wait_for(lambda: sdd(cluster, "shared-ray") is None, what="SDD deleted")
+        # the gateway released its actors (authorized by the SDD's uid), then went
+        assert cluster.gateway.releases == [(key, f"Bearer {uid}")]
         assert cluster.get(cluster.deployments, "shared-ray-gateway") is None
+        assert "Released: gateway killed replicas ['r0', 'r1']" in event_messages(cluster)
+
+
+def test_delete_with_external_ray_waits_for_an_unreachable_gateway_then_warns(cluster):
+    doc = load_example("external-ray.yaml")
+    with operator(cluster, release_give_up_s=3.0):
+        create(cluster, doc)
+        cluster.wait_for(lambda: cluster.get(cluster.deployments, "shared-ray-gateway"))
+        http(cluster, "DELETE", f"{SDD_PATH}/shared-ray")  # no gateway answers
+        time.sleep(1.5)
+        going = sdd(cluster, "shared-ray")
+        assert going["metadata"]["deletionTimestamp"] and going["metadata"]["finalizers"]
+        assert cluster.get(cluster.deployments, "shared-ray-gateway") is not None
+        cluster.wait_for(lambda: sdd(cluster, "shared-ray") is None, 30, "SDD deleted")
+        assert cluster.get(cluster.deployments, "shared-ray-gateway") is None
+        assert cluster.gateway.releases == []
+        warning = event_messages(cluster)
+        assert "ActorsNotReleased: the gateway did not release its actors in 3 s" in warning
+        assert "specd-shared-ray-* may still run on Ray cluster ray-head.ray-system.svc:6379" in (
+            warning
+        )
 
 
 def test_spec_invalid_in_context_is_degraded_naming_the_field(cluster):
@@ -397,17 +437,6 @@ def test_servicemonitor_skipped_when_its_crd_is_not_served(cluster_factory):
         wait_condition(cluster, "demo", "Ready", "False", "GatewayUnavailable")
 
 
-def kubectl(cluster: Cluster, *args: str) -> str:
-    out = subprocess.run(
-        ["kubectl", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 def test_kubectl_apply_get_and_scale(cluster):
     path = str(REPO / "examples" / "gpu-eagle3-tree.yaml")
     spec = spec_of(load_example("gpu-eagle3-tree.yaml"))
@@ -420,18 +449,18 @@ def test_kubectl_apply_get_and_scale(cluster):
         ],
     )
     with operator(cluster):
-        # field validation is the server's job for custom resources (the fake admits)
-        assert "created" in kubectl(cluster, "apply", "--validate=false", "-f", path)
+        # kubectl's default --validate=strict: the server validates (the fake's admission)
+        assert "created" in cluster.kubectl("apply", "-f", path)
         wait_condition(cluster, "llama3-eagle3", "Ready", "True")
-        table = kubectl(cluster, "get", "sdd")
+        table = cluster.kubectl("get", "sdd")
         header, row = table.strip().splitlines()
         assert header.split() == ["NAME", "READY", "REPLICAS", "ACCEPT-LEN", "KV-USAGE", "AGE"]
         assert row.split()[:5] == ["llama3-eagle3", "2/2", "2", "3", "0.37"]
-        assert "scaled" in kubectl(cluster, "scale", "sdd/llama3-eagle3", "--replicas", "3")
+        assert "scaled" in cluster.kubectl("scale", "sdd/llama3-eagle3", "--replicas", "3")
         assert sdd(cluster, "llama3-eagle3")["spec"]["replicas"] == 3
         cluster.wait_for(
             lambda: (
-                kubectl(cluster, "get", "sdd/llama3-eagle3", "-o", "jsonpath={.status.ready}")
+                cluster.kubectl("get", "sdd/llama3-eagle3", "-o", "jsonpath={.status.ready}")
                 == "2/3"
             ),
             what="READY 2/3 after the scale",
@@ -439,30 +468,30 @@ def test_kubectl_apply_get_and_scale(cluster):
     # a bad CR never reaches the operator: the API server refuses it
     bad = load_example("gpu-eagle3-tree.yaml")
     bad["metadata"]["name"] = "bad"
-    bad["spec"]["speculative"]["numDraftTokens"] = 99
-    proc = subprocess.run(
-        ["kubectl", "apply", "--validate=false", "-f", "-"],
-        input=json.dumps(bad),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode != 0
-    assert "numDraftTokens must be at most topk * numSteps + 1" in proc.stderr
-    assert sdd(cluster, "bad") is None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    spec_doc = dict(bad["spec"]["speculative"])
+    for field, value, message in [
+        ("numDraftTokens", 99, "numDraftTokens must be at most topk * numSteps + 1"),
+        # the fake words it as jsonschema does; a real server: 'unknown field "spec..."'
+        ("numDraftToken", 9, "spec.speculative: Additional properties are not allowed"),
+    ]:
+        bad["spec"]["speculative"] = {**spec_doc, field: value}
+        proc = subprocess.run(
+            ["kubectl", "apply", "-f", "-"],
+            input=json.dumps(bad),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode != 0
+        assert message in proc.stderr
+        assert sdd(cluster, "bad") is None
 
 
 def test_specd_operator_process_serves_metrics_and_liveness(cluster):
     """`specd operator` as users run it (its own process, kubeconfig login): it
     reconciles a new SDD, answers its liveness probe, exports its own metrics, and
     exits cleanly on SIGTERM."""
-    metrics_port, live_port = _free_port(), _free_port()
+    metrics_port, live_port = free_port(), free_port()
     cmd = [
         sys.executable, "-m", "specd.workers.cli", "operator", "--namespace", NAMESPACE,
         "--standalone", "--poll-interval", "0.5", "--metrics-port", str(metrics_port),
@@ -484,25 +513,98 @@ def test_specd_operator_process_serves_metrics_and_liveness(cluster):
         )
         assert reconciles >= 1
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            output = proc.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output = proc.communicate()[0]
-    assert proc.returncode == 0, output
+        _stop(proc)  # exits 0 on SIGTERM
 
 
 def _ok_reconciles(url: str) -> float:
     """``specd_operator_reconciles_total{result="ok"}`` summed over triggers."""
+    return _reconciles(url, result="ok")
+
+
+def _reconciles(url: str, **labels: str) -> float:
+    """``specd_operator_reconciles_total`` summed over the series matching ``labels``."""
     text = urllib.request.urlopen(url, timeout=2).read().decode()
     return sum(
         s.value
         for family in text_string_to_metric_families(text)
         if family.name == "specd_operator_reconciles"
         for s in family.samples
-        if s.name.endswith("_total") and s.labels["result"] == "ok"
+        if s.name.endswith("_total") and labels.items() <= s.labels.items()
     )
+
+
+def _operator_process(pod_id: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """A `specd operator` process on the fake (kubeconfig login); (process, metrics URL)."""
+    metrics_port = free_port()
+    cmd = [
+        sys.executable, "-m", "specd.workers.cli", "operator", "--namespace", NAMESPACE,
+        "--poll-interval", "0.3", "--metrics-port", str(metrics_port), "--liveness", "", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "POD_ID": pod_id}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    return proc, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        output = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate()[0]
+    assert proc.returncode == 0, output
+    return output
+
+
+def test_two_operator_replicas_peer_and_only_the_leader_acts(cluster_factory):
+    """Two `specd operator` processes with kopf peering (the KopfPeering object the
+    chart creates): the higher priority one reconciles and polls, the other stays
+    paused (no poll, no write); when the leader exits it takes over."""
+    cluster = cluster_factory(peering=True)
+    peering_path = f"/apis/kopf.dev/v1/namespaces/{NAMESPACE}/kopfpeerings"
+    status, _ = http(
+        cluster,
+        "POST",
+        peering_path,
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "specd"}},
+    )
+    assert status in (200, 201)
+
+    def peers() -> set[str]:
+        obj = cluster.get(cluster.kopfpeerings, "specd") or {}
+        return set(obj.get("status") or {})
+
+    leader, leader_url = _operator_process("op-leader", "--priority", "20")
+    follower = None
+    try:
+        create(cluster, _demo_spec_doc())
+        cluster.wait_for(lambda: "op-leader" in peers(), 60, "the leader in the peering")
+        cluster.wait_for(
+            lambda: _reconciles(leader_url, trigger="poll") >= 2, 60, "the leader polling"
+        )
+        follower, follower_url = _operator_process("op-follower", "--priority", "10")
+        cluster.wait_for(lambda: "op-follower" in peers(), 60, "the follower in the peering")
+        cluster.wait_for(lambda: _get(follower_url) == 200, 30, "the follower's metrics")
+        polls = _reconciles(leader_url, trigger="poll")
+        cluster.wait_for(
+            lambda: _reconciles(leader_url, trigger="poll") >= polls + 5, 30, "more polls"
+        )
+        assert _reconciles(follower_url, trigger="poll") == 0
+        # kopf may run the resume handler once before its first peering event pauses
+        # it; resume only ensures children that already match, so it writes nothing
+        assert _reconciles(follower_url) == _reconciles(follower_url, trigger="resume") <= 1
+        assert "Updated" not in event_messages(cluster)
+        _stop(leader)
+        assert "op-leader" not in peers()  # kopf removes itself on exit
+        cluster.wait_for(
+            lambda: _reconciles(follower_url, trigger="poll") >= 2, 30, "the follower polling"
+        )
+    finally:
+        for proc in (leader, follower):
+            if proc is not None and proc.poll() is None:
+                _stop(proc)
 
 
 def _get(url: str) -> int | None:

@@ -25,42 +25,17 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve_gateway(ray_cluster):
-    """Start gateways (uvicorn in a thread, free loopback port) on the module's Ray
-    cluster; ``serve_gateway(spec, name)`` returns one whose replicas are all ready.
-    Each is stopped at the module's end, before the cluster."""
-    import asyncio
-    import threading
-    import time
+    """Start gateways on the module's Ray cluster; ``serve_gateway(spec, name)`` returns
+    one whose replicas are all ready.  Each is stopped at the module's end, before the
+    cluster."""
+    import contextlib
 
-    from specd.workers.gateway import Gateway
+    from specd.workers.testing import running_gateway
 
-    running = []
-
-    def start(spec, name: str, ready_timeout_s: float = 90):
-        gw = Gateway(
-            spec,
-            name=name,
-            port=0,
-            drain_timeout_s=5,
-            pool_options={"health_interval_s": 0.3, "probe_timeout_s": 5},
+    with contextlib.ExitStack() as stack:
+        yield lambda spec, name, ready_timeout_s=90: stack.enter_context(
+            running_gateway(spec, name, ready_timeout_s)
         )
-        thread = threading.Thread(
-            target=lambda: asyncio.run(gw.run(handle_signals=False)), daemon=True
-        )
-        thread.start()
-        running.append((gw, thread))
-        assert gw.listening.wait(60), "gateway did not start listening"
-        deadline = time.monotonic() + ready_timeout_s
-        while not gw.pool.converged():
-            assert time.monotonic() < deadline, f"{name}: replicas not ready"
-            time.sleep(0.1)
-        return gw
-
-    yield start
-    for gw, thread in running:
-        gw.stop()
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "a gateway did not stop"
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.gateway import Gateway
 from specd.workers.pool import PoolController
+from specd.workers.testing import running_gateway
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
@@ -435,6 +436,41 @@ async def test_replacement_controller_adopts_running_actors(ray_cluster, model_d
     assert not [n for n in ray.util.list_named_actors() if n.startswith("specd-adopt-")]
 
 
+def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
+    ray_cluster, model_dir
+):
+    """`specd gateway` (a Kubernetes pod) detaches when it stops, so the next pod adopts
+    the warm actors; ``POST /admin/release`` (the operator's delete finalizer) needs the
+    admin token, drains and kills them, and the pool starts no new ones."""
+    spec = spec_for_model(model_dir, replicas=1, model={"name": MODEL}, resources={"cpu": 0.5})
+    pod = {"on_stop": "detach", "admin_token": "s3cret"}
+    body = {"model": MODEL, "prompt": "Hello", **GREEDY}
+    with running_gateway(spec, "podgw", **pod) as first:
+        [old] = first.pool.ready()
+    assert old.actor_name in ray.util.list_named_actors()  # the pod went, its actor did not
+    with (
+        running_gateway(spec, "podgw", **pod) as second,
+        httpx.Client(base_url=second.url, timeout=60) as http,
+    ):
+        [adopted] = second.pool.ready()
+        assert adopted.actor_name == old.actor_name
+        assert http.post("/v1/completions", json=body).status_code == 200
+        assert http.post("/admin/release").status_code == 401
+        wrong = {"Authorization": "Bearer guess"}
+        assert http.post("/admin/release", headers=wrong).status_code == 401
+        token = {"Authorization": "Bearer s3cret"}
+        assert http.post("/admin/release", headers=token).json() == {"released": [adopted.name]}
+        assert http.post("/admin/release", headers=token).json() == {"released": [adopted.name]}
+        _wait_for(
+            lambda: old.actor_name not in ray.util.list_named_actors(), 30, "the actor killed"
+        )
+        status = http.get("/admin/status").json()
+        assert status["released"] is True and status["actors"] == []
+        assert http.post("/v1/completions", json=body).status_code == 503
+        time.sleep(1.0)  # several health intervals: the pool does not start a replacement
+        assert not [n for n in ray.util.list_named_actors() if n.startswith("specd-podgw-")]
+
+
 # -- failures and updates (slow) ----------------------------------------------------------
 
 
@@ -494,6 +530,8 @@ def test_killed_actor_fails_its_requests_and_is_replaced(http, gateway):
     _wait_for(pool.converged, 60, "a replacement replica")
     names = {r.name for r in pool.ready()}
     assert victim.name not in names and len(names) == 2
+    # the replacement carries its slot's restart count; the untouched replica has none
+    assert sorted(a["restarts"] for a in pool.status()["actors"]) == [0, victim.restarts + 1]
     assert (
         http.post(
             "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}

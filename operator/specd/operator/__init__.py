@@ -10,4 +10,5 @@ Modules (see also docs/structure.md):
   handlers   kopf handlers (create/update/resume/timer/delete) around `reconcile`
   metrics    the operator's own Prometheus metrics
   main       `specd operator`: settings, peering, liveness, metrics endpoint
+  rbac       the API permissions it uses (the Helm chart's RBAC is tested against them)
 """

@@ -10,19 +10,29 @@
 
 The gateway re-reads the mounted ConfigMap when it changes and rolls its actors one
 at a time, so the gateway pod template never carries the config hash: a spec change
-must not restart the gateway (that would drop every running actor).
+must not restart the gateway (serving would pause while it restarts).  A gateway pod
+that stops leaves its actors running for the next one, which adopts them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any
 
 import yaml
 
 from specd.operator import naming
-from specd.workers.config import API_GROUP, API_VERSION, KIND, SpecDecodeDeployment
+from specd.workers.config import (
+    ADMIN_TOKEN_ENV,
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    SpecDecodeDeployment,
+)
+
+GATEWAY_GRACE_S = 45  # pod termination grace: the gateway's 30 s request drain + margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +56,8 @@ class Owner:
 class ChildOptions:
     """Operator-wide settings (``specd operator`` flags)."""
 
-    image: str = "ghcr.io/specd/specd:0.1.0"
-    ray_version: str = "2.40.0"
+    image: str = f"ghcr.io/specd/specd:{version('specd')}"
+    ray_version: str = version("ray")  # the Ray inside that image: the one installed here
     gateway_cpu: str = "1"
     gateway_memory: str = "2Gi"
 
@@ -217,6 +227,8 @@ def build_gateway_deployment(
                             "image": spec.image or options.image,
                             "command": gateway_command(address),
                             "ports": [{"name": "http", "containerPort": naming.GATEWAY_PORT}],
+                            # guards POST /admin/release (the delete finalizer's call)
+                            "env": [{"name": ADMIN_TOKEN_ENV, "value": owner.uid}],
                             "readinessProbe": probe,
                             "livenessProbe": {**probe, "failureThreshold": 6},
                             "resources": {
@@ -228,6 +240,8 @@ def build_gateway_deployment(
                             "volumeMounts": [{"name": "config", "mountPath": naming.CONFIG_DIR}],
                         }
                     ],
+                    # open requests get the gateway's 30 s drain, then it detaches
+                    "terminationGracePeriodSeconds": GATEWAY_GRACE_S,
                     "volumes": [
                         {
                             "name": "config",
@@ -254,6 +268,13 @@ def build_service(owner: Owner) -> dict[str, Any]:
     }
 
 
+def _prometheus_label(service_label: str) -> str:
+    """The meta label Prometheus' Kubernetes discovery gives a Service label."""
+    return "__meta_kubernetes_service_label_" + "".join(
+        c if c.isalnum() else "_" for c in service_label
+    )
+
+
 def build_servicemonitor(sdd: SpecDecodeDeployment, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
@@ -262,7 +283,18 @@ def build_servicemonitor(sdd: SpecDecodeDeployment, owner: Owner) -> dict[str, A
         "spec": {
             "selector": {"matchLabels": naming.selector_labels(owner.name, "gateway")},
             "endpoints": [
-                {"port": "http", "path": "/metrics", "interval": sdd.spec.metrics.interval}
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": sdd.spec.metrics.interval,
+                    # the dashboards' and alerts' `deployment` label (`up` included)
+                    "relabelings": [
+                        {
+                            "sourceLabels": [_prometheus_label(naming.DEPLOYMENT_LABEL)],
+                            "targetLabel": "deployment",
+                        }
+                    ],
+                }
             ],
         },
     }

@@ -5,17 +5,23 @@
 - create/update/resume:  ensure the children (fast reaction to a spec change); an
                          invalid spec is a `kopf.PermanentError` (no retry storm).
                          Updates trigger on ``spec`` only, never on ``status``.
-- timer (poll interval): the level-based loop: ensure children, poll the gateway,
-                         write status (the only status writer), emit Events on
-                         condition changes.
+- index + startup:       kopf keeps every SDD's latest body in an index; a loop
+                         started at startup (`poller`) reconciles each of them every
+                         poll interval: ensure children, poll the gateway, write
+                         status (the only status writer), emit Events on condition
+                         changes.  Not a kopf timer: timers put a finalizer on
+                         every SDD.
 - delete:                only for an external Ray cluster (``spec.ray.address``): the
-                         finalizer removes the gateway first, so its actors in that
-                         cluster are released before the SDD goes; everything else
-                         goes by ownerReferences.
+                         finalizer has the gateway drain and kill its actors there
+                         (``POST /admin/release``, with the SDD's uid as the token),
+                         then deletes it; everything else goes by ownerReferences (a
+                         managed RayCluster takes its actors with it).  The poller
+                         leaves an SDD that is being deleted alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -24,12 +30,20 @@ import kopf
 
 from specd.operator import naming
 from specd.operator.crd import PLURAL
-from specd.operator.kube import KubeClient, object_path
-from specd.operator.reconcile import OperatorContext, observe, write_status
+from specd.operator.kube import KubeClient, build_event, object_path
+from specd.operator.poller import leads, poll_forever
+from specd.operator.reconcile import (
+    OperatorContext,
+    now_rfc3339,
+    observe,
+    release_gateway,
+    write_status,
+)
 from specd.operator.status import transitions
-from specd.workers.config import API_GROUP, API_VERSION
+from specd.workers.config import API_GROUP, API_VERSION, RAY_NAMESPACE
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
+INDEX = "sdd_bodies"  # kopf passes the index to handlers under its handler id
 
 
 def _raw(body: Any) -> dict[str, Any]:
@@ -64,21 +78,54 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
             ctx.client = KubeClient(info)
         return info
 
+    @kopf.index(*RESOURCE, id=INDEX, registry=registry)
+    def sdd_bodies(namespace: str, name: str, body: Any, **_: Any) -> dict[Any, Any]:
+        return {(namespace, name): _raw(body)}
+
+    @kopf.on.startup(registry=registry)
+    async def start_polling(**kwargs: Any) -> None:
+        index = kwargs[INDEX]
+
+        def bodies() -> list[dict[str, Any]]:
+            return [body for store in index.values() for body in store]
+
+        async def may_act() -> bool:
+            # not before kopf has logged in (the login handler sets the client)
+            return ctx.client is not None and await leads(ctx.client, ctx.peering)
+
+        async def poll(body: dict[str, Any]) -> None:
+            if not body["metadata"].get("deletionTimestamp"):  # going: leave its children be
+                await reconcile_once("poll", body, write=True)
+
+        ctx.poller = asyncio.create_task(
+            poll_forever(bodies, poll, ctx.poll_interval_s, may_act), name="specd status poller"
+        )
+
     @kopf.on.cleanup(registry=registry)
     async def cleanup(**_: Any) -> None:
+        if ctx.poller is not None:
+            ctx.poller.cancel()
         await ctx.close()
 
-    async def reconcile_once(trigger: str, body: Any, logger: Any, write: bool) -> None:
+    async def post_events(raw: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
+        assert ctx.client is not None
+        for type_, reason, message in events:
+            await ctx.client.post_event(build_event(raw, type_, reason, message, now_rfc3339()))
+
+    async def reconcile_once(trigger: str, body: Any, write: bool) -> None:
         started = time.perf_counter()
         raw = _raw(body)
         try:
             result = await observe(ctx, raw)
-            for kind, name, what in result.writes:
-                kopf.info(body, reason=what.capitalize(), message=f"{kind} {name} {what}")
+            events = [
+                ("Normal", what.capitalize(), f"{kind} {name} {what}")
+                for kind, name, what in result.writes
+            ]
             if write:
                 written = await write_status(ctx, raw, result.observation)
                 if written is not None:
-                    _announce(body, *written)
+                    events += condition_events(*written)
+            await post_events(raw, events)
         except Exception as err:
             ctx.metrics.errors.labels(type(err).__name__).inc()
             ctx.metrics.reconciles.labels(trigger, "error").inc()
@@ -93,31 +140,53 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, field="spec", registry=registry)
-    async def apply(body: Any, logger: Any, reason: Any = None, **_: Any) -> None:
-        await reconcile_once(str(reason or "change"), body, logger, write=False)
-
-    @kopf.timer(*RESOURCE, interval=ctx.poll_interval_s, registry=registry)
-    async def poll(body: Any, logger: Any, **_: Any) -> None:
-        await reconcile_once("poll", body, logger, write=True)
+    async def apply(body: Any, reason: Any = None, **_: Any) -> None:
+        await reconcile_once(str(reason or "change"), body, write=False)
 
     @kopf.on.delete(*RESOURCE, when=_external_ray, registry=registry)
-    async def release_external_actors(body: Any, namespace: str, name: str, **_: Any) -> None:
+    async def release_external_actors(
+        body: Any, namespace: str, name: str, runtime: Any, **_: Any
+    ) -> None:
+        """Engine actors outlive gateway pods (detached); on an external Ray cluster
+        nothing else removes them, so the gateway kills them before it goes."""
         assert ctx.client is not None
+        raw = _raw(body)
         path = object_path("apps/v1", "Deployment", namespace, naming.gateway_name(name))
-        if await ctx.client.delete(path):
-            kopf.info(body, reason="Releasing", message=f"deleting gateway {path}")
-        if await ctx.client.get(path) is not None:
-            raise kopf.TemporaryError("waiting for the gateway to stop", delay=5)
+        if await ctx.client.get(path) is None:
+            return
+        released, error = await release_gateway(ctx, namespace, name, raw["metadata"]["uid"])
+        if released is None and runtime.total_seconds() < ctx.release_give_up_s:
+            raise kopf.TemporaryError(f"gateway did not release its actors: {error}", delay=5)
+        if released is None:
+            event = ("Warning", "ActorsNotReleased", actors_left_message(raw, ctx, error))
+        else:
+            event = ("Normal", "Released", f"gateway killed replicas {released or 'none'}")
+        await ctx.client.delete(path)
+        await post_events(raw, [event, ("Normal", "Deleted", f"gateway {path}")])
 
     return registry
 
 
-def _announce(body: Any, old: Any, new: Any) -> None:
-    """Events for condition changes: rollout progress, readiness, degradation."""
+def actors_left_message(raw: dict[str, Any], ctx: OperatorContext, error: str | None) -> str:
+    """What to tell the user when the gateway could not release its actors."""
+    name, address = raw["metadata"]["name"], raw["spec"]["ray"]["address"]
+    return (
+        f"the gateway did not release its actors in {ctx.release_give_up_s:.0f} s ({error}); "
+        f"actors named specd-{name}-* may still run on Ray cluster {address} (namespace "
+        f"'{RAY_NAMESPACE}'): ray.kill(ray.get_actor(NAME, namespace='{RAY_NAMESPACE}'))"
+    )
+
+
+def condition_events(old: Any, new: Any) -> list[tuple[str, str, str]]:
+    """(type, reason, message) Events for condition changes: rollout progress,
+    readiness, degradation.  Posted by our client, not ``kopf.info``: the poller runs
+    outside kopf's per-object handlers, where kopf's event queue is not reachable."""
+    events = []
     for cond in transitions(new, old):
         if cond.type == "Degraded" and cond.status == "True":
-            kopf.warn(body, reason=cond.reason, message=cond.message)
+            events.append(("Warning", cond.reason, cond.message))
         elif cond.type == "Ready" and cond.status == "True":
-            kopf.info(body, reason="Ready", message=cond.message)
+            events.append(("Normal", "Ready", cond.message))
         elif cond.type == "Progressing" and cond.status == "True":
-            kopf.info(body, reason="RolloutProgress", message=cond.message)
+            events.append(("Normal", "RolloutProgress", cond.message))
+    return events

@@ -6,12 +6,16 @@ delete by path, and a status patch guarded by ``resourceVersion``.
 
 from __future__ import annotations
 
+import logging
 import ssl
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import kopf
+
+log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -23,7 +27,37 @@ PLURALS = {
     "RayCluster": "rayclusters",
     "ServiceMonitor": "servicemonitors",
     "SpecDecodeDeployment": "specdecodedeployments",
+    "Event": "events",
 }
+EVENT_SOURCE = "specd-operator"
+
+
+def build_event(obj: dict[str, Any], type_: str, reason: str, message: str, now: str) -> dict:
+    """A core/v1 Event about ``obj`` (what ``kubectl describe`` lists under Events)."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
+            "namespace": meta["namespace"],
+        },
+        "involvedObject": {
+            "apiVersion": obj["apiVersion"],
+            "kind": obj["kind"],
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": EVENT_SOURCE},
+        "reportingComponent": EVENT_SOURCE,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
 
 
 class ApiError(RuntimeError):
@@ -114,6 +148,13 @@ class KubeClient:
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta["namespace"])
         return (await self._send("POST", path, obj, tolerate=409))[1]
+
+    async def post_event(self, event: dict[str, Any]) -> None:
+        """Create an Event; a failure is logged, never raised (events are best effort)."""
+        try:
+            await self.create(event)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as err:
+            log.warning("event %s not posted: %s", event.get("reason"), err)
 
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
         return (await self._send("PATCH", path, patch, content_type=MERGE_PATCH))[1]

@@ -14,6 +14,7 @@ import kopf
 
 from specd.operator.children import ChildOptions
 from specd.operator.handlers import build_registry, operator_settings
+from specd.operator.poller import Peering, own_identity
 from specd.operator.reconcile import OperatorContext
 
 PEERING_NAME = "specd"
@@ -41,10 +42,16 @@ def run_operator(
     settings.peering.name = PEERING_NAME
     settings.peering.standalone = standalone
     settings.peering.priority = priority
+    settings.peering.clusterwide = clusterwide
+    identity = own_identity()
+    if not standalone:
+        watched = () if clusterwide else tuple(namespaces or ())
+        ctx.peering = Peering(PEERING_NAME, identity, priority, watched)
     asyncio.run(
         kopf.operator(
             registry=build_registry(ctx),
             settings=settings,
+            identity=identity,  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
             clusterwide=clusterwide,
             namespaces=namespaces or [],
             liveness_endpoint=liveness,

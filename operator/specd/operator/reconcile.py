@@ -14,6 +14,7 @@ costs one GET per child.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from specd.operator import children, naming
 from specd.operator.children import ChildOptions, Owner
 from specd.operator.kube import KubeClient, object_path
 from specd.operator.metrics import OperatorMetrics
+from specd.operator.poller import Peering
 from specd.operator.status import (
     Observation,
     SddStatus,
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 STATUS_WRITE_ATTEMPTS = 5
 
 
+# the gateway drains open requests (up to 60 s) before it kills its actors
+RELEASE_TIMEOUT_S = 90.0
+
+
 @dataclass
 class OperatorContext:
     """Everything the handlers share; `client` is set by the login handler."""
@@ -53,7 +59,11 @@ class OperatorContext:
         name, namespace
     )
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    peering: Peering | None = None  # None: standalone, the poller always acts
+    # a delete finalizer waits this long for the gateway to release its actors
+    release_give_up_s: float = 300.0
     client: KubeClient | None = None
+    poller: asyncio.Task | None = None
     _http: aiohttp.ClientSession | None = None
 
     async def http(self) -> aiohttp.ClientSession:
@@ -168,6 +178,26 @@ async def poll_gateway(ctx: OperatorContext, namespace: str, name: str) -> tuple
         return None, f"{type(err).__name__} on {url}"
     ctx.metrics.gateway_polls.labels("ok").inc()
     return doc, None
+
+
+async def release_gateway(
+    ctx: OperatorContext, namespace: str, name: str, token: str
+) -> tuple[list[str] | None, str | None]:
+    """``POST /admin/release``: the gateway drains and kills its actors (waited for, up
+    to `RELEASE_TIMEOUT_S`).  (released replica names, None) or (None, why not)."""
+    url = ctx.gateway_url(namespace, name) + "/admin/release"
+    try:
+        session = await ctx.http()
+        async with session.post(
+            url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
+        ) as resp:
+            if resp.status != 200:
+                return None, f"HTTP {resp.status} from {url}: {(await resp.text())[:200]}"
+            return list((await resp.json())["released"]), None
+    except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as err:
+        return None, f"{type(err).__name__} on {url}"
 
 
 async def observe(ctx: OperatorContext, body: dict[str, Any]) -> Pass:

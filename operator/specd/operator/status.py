@@ -72,7 +72,12 @@ class ActorStatus(_Status):
     name: str
     state: str
     config_hash: str
-    restarts: int = Field(0, description="Engine-loop restarts of this actor")
+    restarts: int = Field(
+        0, description="Failures of this replica's predecessors (each replacement adds one)"
+    )
+    spec_steps: int | None = Field(
+        None, description="Speculation steps of the adaptive rung now active (adaptive only)"
+    )
     error: str | None = None
 
 
@@ -333,7 +338,8 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
                 name=a["name"],
                 state=a.get("state", "unknown"),
                 config_hash=a.get("config_hash", ""),
-                restarts=int((a.get("load") or {}).get("restarts", 0)),
+                restarts=int(a.get("restarts", 0)),
+                spec_steps=((a.get("load") or {}).get("adaptive") or {}).get("steps"),
                 error=a.get("error"),
             )
             for a in actors

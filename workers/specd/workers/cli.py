@@ -4,7 +4,9 @@
     specd generate --model DIR [--max-tokens N] PROMPT     one engine in-process, no Ray
     specd validate FILE.yaml                               check a SpecDecodeDeployment
     specd gateway --config FILE [--host H] [--port P]      the gateway pod: `serve` on
-                                                           RAY_ADDRESS, following FILE's changes
+                                                           RAY_ADDRESS, following FILE's changes;
+                                                           stopped, it leaves its actors running
+                                                           for the next gateway pod to adopt
     specd crd                                              print the SpecDecodeDeployment CRD
     specd operator [--namespace NS ... | --all-namespaces] run the Kubernetes operator
 
@@ -17,19 +19,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 
-from specd.workers.config import ConfigError, load_deployment, spec_for_model
+from specd.workers.config import ADMIN_TOKEN_ENV, ConfigError, load_deployment, spec_for_model
 from specd.workers.model.config import ModelLoadError
 
 EXIT_FAILED = 1
 EXIT_INVALID = 2
 
 
-def _serve(args: argparse.Namespace, follow_config: bool = False) -> int:
-    from specd.workers.gateway import Gateway  # imports Ray: only for `serve`
+def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str = "release") -> int:
+    from specd.workers.gateway import Gateway  # imports Ray: only for `serve` and `gateway`
 
     sdd = load_deployment(args.file)
     spec = sdd.spec
@@ -39,6 +42,8 @@ def _serve(args: argparse.Namespace, follow_config: bool = False) -> int:
         host=args.host,
         port=args.port,
         drain_timeout_s=args.drain_timeout,
+        on_stop=on_stop,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )
 
     def ready(url: str) -> None:
@@ -97,7 +102,8 @@ async def _follow_config(gateway, path: str, interval_s: float = 2.0) -> None:
 
 def _gateway(args: argparse.Namespace) -> int:
     args.file = args.config
-    return _serve(args, follow_config=True)
+    # a pod that stops leaves its actors to the next gateway pod (see `Gateway`)
+    return _serve(args, follow_config=True, on_stop="detach")
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -205,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_operator_commands(sub) -> None:
+    from specd.operator.children import ChildOptions
+
     gw = sub.add_parser(
         "gateway", help="run the gateway of a deployment on RAY_ADDRESS (the Kubernetes pod)"
     )
@@ -221,8 +229,9 @@ def _add_operator_commands(sub) -> None:
     scope = op.add_mutually_exclusive_group(required=True)
     scope.add_argument("--namespace", action="append", help="watch this namespace (repeatable)")
     scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
-    op.add_argument("--image", default="ghcr.io/specd/specd:0.1.0", help="gateway and Ray image")
-    op.add_argument("--ray-version", default="2.40.0")
+    defaults = ChildOptions()
+    op.add_argument("--image", default=defaults.image, help="gateway and Ray image")
+    op.add_argument("--ray-version", default=defaults.ray_version, help="RayCluster rayVersion")
     op.add_argument("--poll-interval", type=float, default=10.0, help="gateway poll, seconds")
     op.add_argument("--metrics-port", type=int, default=9090, help="0: no /metrics")
     op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="'' to disable")

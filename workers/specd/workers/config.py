@@ -32,6 +32,10 @@ from specd.workers.speculative.rung import Rung
 API_GROUP = "specd.dev"
 API_VERSION = "v1alpha1"
 KIND = "SpecDecodeDeployment"
+# the gateway pod's environment variable holding the token `POST /admin/release` needs
+# (the operator sets it; see `specd.workers.gateway`)
+ADMIN_TOKEN_ENV = "SPECD_ADMIN_TOKEN"
+RAY_NAMESPACE = "specd"  # the Ray namespace gateways start (and adopt) engine actors in
 
 
 class ConfigError(ValueError):

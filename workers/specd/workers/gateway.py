@@ -13,6 +13,14 @@ draining or dies before producing output is skipped for another one; one that di
 mid-stream ends the request with an error (503), never a hang.  A client that goes
 away cancels the Ray stream, which aborts the request in the engine.
 
+Stopping: `Gateway` ends in one of two ways.  ``release`` (``specd serve``) drains and
+kills its actors.  ``detach`` (``specd gateway``, the Kubernetes pod) leaves them
+running, so the next gateway pod adopts them warm: a pod restart, node drain or image
+update does not reload the model.  ``POST /admin/release`` (what the operator's
+finalizer calls before deleting a deployment on an external Ray cluster) drains and
+kills the actors of a running gateway and keeps it from starting new ones; when the
+gateway has an admin token it needs ``Authorization: Bearer <token>``.
+
 Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an id that
 names that replica's actor (`router.session_token`), so any gateway routes a turn
 (a generation request with ``session_id``) to it without shared state.  A turn goes
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 import os
@@ -31,8 +40,8 @@ import signal
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
 
 import ray
 import uvicorn
@@ -46,7 +55,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from specd.workers.config import DeploymentSpec
+from specd.workers.config import RAY_NAMESPACE, DeploymentSpec
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
@@ -68,7 +77,6 @@ from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "specd"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED = 499  # nginx's convention; only ever seen in metrics
 
@@ -190,6 +198,16 @@ def _about(param: str | None, message: str) -> str:
     return f"{param}: {message}"
 
 
+@dataclass
+class _Turn:
+    """A session turn this gateway serves: its client, whether its stream has closed,
+    and, when its client left mid-turn, the abort sent to the engine."""
+
+    client: Request
+    over: asyncio.Event = field(default_factory=asyncio.Event)
+    abort: asyncio.Future | None = None
+
+
 def _session_gone(session_id: str, ray_name: str, param: str | None) -> ApiError:
     replica = replica_of_actor(ray_name)
     message = (
@@ -242,6 +260,7 @@ class _Api:
     def __init__(self, pool: PoolController, tokenizer: PreTrainedTokenizerBase):
         self.pool = pool
         self.tokenizer = tokenizer
+        self._turns: dict[str, _Turn] = {}  # session id -> its latest turn here
 
     @property
     def model_name(self) -> str:
@@ -345,7 +364,7 @@ class _Api:
         else:
             route = self.session_route(body.session_id, "session_id")
             req = GenerateRequest(rid, tuple(prompt_ids), params, route.engine_sid)
-            deltas = self.turn_deltas(req, route)
+            deltas = self.turn_deltas(req, route, request)
         try:
             first = await _unless_disconnected(request, anext(deltas))
             if (failure := _failure(first)) is not None:
@@ -389,20 +408,56 @@ class _Api:
         yield refusal
 
     async def turn_deltas(
-        self, req: GenerateRequest, route: _SessionRoute
+        self, req: GenerateRequest, route: _SessionRoute, client: Request
     ) -> AsyncGenerator[GenerateDelta, None]:
         """A session turn's deltas from its session's replica only: the history lives
         there, so nothing is retried elsewhere; a replica lost meanwhile means 410."""
+        await self._previous_turn_settled(route.session_id)
+        turn = self._turns[route.session_id] = _Turn(client)
+        finished = False
         try:
             async with contextlib.aclosing(self.pool.stream(route.replica, req)) as stream:
                 async for delta in stream:
+                    finished = delta.finished
                     yield route.in_gateway_terms(delta)
         except ReplicaError as err:
+            finished = True  # nothing left to abort
             if err.lost:
                 gone = _session_gone(route.session_id, route.replica.actor_name, "session_id")
                 yield _error_delta(req.rid, gone.status, gone.message)
             else:
                 yield _error_delta(req.rid, 500, str(err))
+        finally:
+            if not finished:  # the client left mid-turn (the stream's close cancels it)
+                turn.abort = asyncio.ensure_future(self._abort_turn(route, req.rid, turn))
+            elif self._turns.get(route.session_id) is turn:
+                del self._turns[route.session_id]
+            turn.over.set()
+
+    async def _abort_turn(self, route: _SessionRoute, rid: str, turn: _Turn) -> None:
+        """Post the abort of a turn its client left, as a call of its own (see
+        `_previous_turn_settled`); a replica gone meanwhile has nothing to abort."""
+        try:
+            with contextlib.suppress(ReplicaError):
+                await self.pool.call(route.replica, "abort", rid)
+        finally:
+            if self._turns.get(route.session_id) is turn:
+                del self._turns[route.session_id]
+
+    async def _previous_turn_settled(self, session_id: str) -> None:
+        """Before a session's next turn: if the client left the previous one, wait until
+        that turn's abort has reached its engine (whose inbox is ordered), so the new
+        turn is not refused with 409 for a turn that is already gone.  Cancelling the
+        Ray stream aborts it too, but in no fixed order with the next call."""
+        previous = self._turns.get(session_id)
+        if previous is None:
+            return
+        timeout = self.pool.probe_timeout_s
+        with contextlib.suppress(TimeoutError):  # `_abort_turn` never raises
+            if not previous.over.is_set() and await previous.client.is_disconnected():
+                await asyncio.wait_for(previous.over.wait(), timeout)  # the stream closes
+            if previous.abort is not None:
+                await asyncio.wait_for(asyncio.shield(previous.abort), timeout)
 
     async def respond(
         self,
@@ -449,10 +504,14 @@ class _Api:
             await deltas.aclose()  # client gone: cancels the Ray stream -> engine abort
 
 
-def build_app(pool: PoolController, tokenizer: PreTrainedTokenizerBase) -> FastAPI:
-    """The gateway's FastAPI app over ``pool`` (which must be started by the caller)."""
+def build_app(
+    pool: PoolController, tokenizer: PreTrainedTokenizerBase, admin_token: str | None = None
+) -> FastAPI:
+    """The gateway's FastAPI app over ``pool`` (which must be started by the caller);
+    ``admin_token`` guards ``POST /admin/release``."""
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
     api = _Api(pool, tokenizer)
+    release: asyncio.Future[list[str]] | None = None
     metrics = GatewayMetrics()
     app.add_middleware(CountRequests, metrics=metrics)
     app.state.metrics = metrics
@@ -537,7 +596,21 @@ def build_app(pool: PoolController, tokenizer: PreTrainedTokenizerBase) -> FastA
     async def admin_status() -> JSONResponse:
         return JSONResponse(pool.status())
 
+    @app.post("/admin/release")
+    async def admin_release(request: Request) -> JSONResponse:
+        nonlocal release
+        if admin_token and not _bearer_matches(request, admin_token):
+            raise ApiError(401, "POST /admin/release needs 'Authorization: Bearer <admin token>'")
+        if release is None:  # concurrent and repeated calls share the one release
+            release = asyncio.ensure_future(pool.stop())
+        return JSONResponse({"released": await asyncio.shield(release)})
+
     return app
+
+
+def _bearer_matches(request: Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
 
 
 # -- the serving process --------------------------------------------------------------
@@ -557,7 +630,8 @@ class Gateway:
     Connects to ``RAY_ADDRESS`` (or ``spec.ray.address``) when set, else starts a
     local Ray; an already initialized Ray (tests) is used as is and left running.
     SIGINT/SIGTERM (or `stop`) stop accepting connections, let open requests finish
-    (up to ``drain_timeout_s``), drain and kill the actors.
+    (up to ``drain_timeout_s``), then, by ``on_stop``, drain and kill the actors
+    (``release``) or leave them to the next gateway (``detach``).
     """
 
     def __init__(
@@ -568,12 +642,15 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 8000,
         drain_timeout_s: float = 30.0,
+        on_stop: Literal["release", "detach"] = "release",
+        admin_token: str | None = None,
         pool_options: dict[str, Any] | None = None,
     ):
         self.spec = spec
         self.name = name
         self.host, self.port = host, port
         self.drain_timeout_s = drain_timeout_s
+        self.on_stop, self.admin_token = on_stop, admin_token
         self.pool_options = pool_options or {}
         self.pool: PoolController | None = None
         self.url: str | None = None
@@ -594,7 +671,7 @@ class Gateway:
         try:
             self.pool = PoolController(self.spec, name=self.name, **self.pool_options)
             config = uvicorn.Config(
-                build_app(self.pool, tokenizer),
+                build_app(self.pool, tokenizer, self.admin_token),
                 host=self.host,
                 port=self.port,
                 log_level="warning",
@@ -611,7 +688,9 @@ class Gateway:
             await self._announce(serving, on_ready)
             await serving
         finally:
-            if self.pool is not None:
+            if self.pool is not None and self.on_stop == "detach":
+                await self.pool.detach()
+            elif self.pool is not None:
                 await self.pool.stop(self.drain_timeout_s)
             if owns_ray:
                 ray.shutdown()

@@ -35,8 +35,14 @@ class GatewayMetrics:
         self.replicas = Gauge(
             "specd_gateway_replicas", "Engine actors by state", ["state"], registry=self.registry
         )
+        self.desired_replicas = Gauge(
+            "specd_gateway_desired_replicas",
+            "spec.replicas of the deployment (ready below it: a replica is missing)",
+            registry=self.registry,
+        )
 
     def observe_pool(self, pool: PoolController) -> None:
+        self.desired_replicas.set(pool.spec.replicas)
         states = [a["state"] for a in pool.status()["actors"]]
         for state in ReplicaState:
             self.replicas.labels(state.value).set(states.count(state.value))

@@ -70,6 +70,7 @@ class Replica:
     inflight: int = 0  # streams the gateway has open on it
     error: str | None = None
     created_at: float = field(default_factory=time.time)
+    restarts: int = 0  # failures of this replica's predecessors (a replacement inherits +1)
 
     def router_load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -100,6 +101,7 @@ class Replica:
             "context_length": self.info.get("context_length"),
             "load": self.load,
             "error": self.error,
+            "restarts": self.restarts,
         }
 
 
@@ -189,6 +191,8 @@ class PoolController:
         self._actor_factory = actor_factory
         self._replicas: dict[str, Replica] = {}
         self._seq = itertools.count()
+        # restart counts owed to the next replacements (a scale-down forgets the surplus)
+        self._replaced_restarts: deque[int] = deque()
         self._token = uuid.uuid4().hex[:6]  # keeps actor names unique across gateways
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -196,12 +200,13 @@ class PoolController:
         self._start_failures = 0
         self._next_start_at = 0.0
         self.events: deque[dict[str, Any]] = deque(maxlen=50)
+        self.released = False  # `stop` ran: the actors are gone and stay gone
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         """Adopt this deployment's running actors, then begin reconciling (returns once
-        adoption is done; see `wait_converged`)."""
-        if self._monitor is None:
+        adoption is done; see `wait_converged`).  A released pool stays released."""
+        if self._monitor is None and not self.released:
             await self._adopt_running_actors()
             self._monitor = asyncio.create_task(self._monitor_loop(), name="specd-pool-monitor")
 
@@ -251,8 +256,10 @@ class PoolController:
         numbers = [int(n[1:]) for n in self._replicas if n[1:].isdigit()]
         self._seq = itertools.count(max(numbers, default=-1) + 1)
 
-    async def stop(self, drain_timeout_s: float | None = None) -> None:
-        """Drain every replica (in parallel), kill them, stop reconciling."""
+    async def stop(self, drain_timeout_s: float | None = None) -> list[str]:
+        """Drain every replica (in parallel), kill them, stop reconciling for good;
+        returns the replicas released."""
+        self.released = True
         await self._stop_reconciling()
         timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         await asyncio.gather(
@@ -262,7 +269,9 @@ class PoolController:
                 if r.state is not ReplicaState.DEAD
             )
         )
+        released = list(self._replicas)
         self._replicas.clear()
+        return released
 
     def update_spec(self, spec: DeploymentSpec) -> None:
         """Adopt ``spec``: a new config hash rolls replicas, a new count scales."""
@@ -372,6 +381,7 @@ class PoolController:
             "desired_replicas": self.spec.replicas,
             "ready_replicas": len(ready),
             "converged": self.converged(),
+            "released": self.released,
             "kv_usage": max((float(r.load.get("kv_usage", 0.0)) for r in ready), default=0.0),
             "actors": [r.summary() for r in replicas],
             "events": list(self.events),
@@ -429,7 +439,7 @@ class PoolController:
     def _reconcile(self) -> None:
         """One synchronous pass: forget the dead, then launch starts and retirements."""
         for name in [n for n, r in self._replicas.items() if r.state is ReplicaState.DEAD]:
-            del self._replicas[name]
+            self._replaced_restarts.append(self._replicas.pop(name).restarts + 1)
         plan = plan_reconcile(
             list(self._replicas.values()),
             self.spec.replicas,
@@ -437,16 +447,20 @@ class PoolController:
             can_start=time.monotonic() >= self._next_start_at,
         )
         for _ in range(plan.start):
-            self._spawn(self._wait_started(self._launch()))
+            restarts = self._replaced_restarts.popleft() if self._replaced_restarts else 0
+            self._spawn(self._wait_started(self._launch(restarts)))
+        while len(self._replaced_restarts) > self.spec.replicas:
+            self._replaced_restarts.popleft()
         for name in plan.retire:
             self._spawn(self._retire(self._replicas[name], self.drain_timeout_s))
 
-    def _launch(self) -> Replica:
-        """Create an actor for the current spec (synchronously, so the next plan counts it)."""
+    def _launch(self, restarts: int = 0) -> Replica:
+        """Create an actor for the current spec (synchronously, so the next plan counts it);
+        ``restarts`` > 0 when it replaces dead ones."""
         name = f"r{next(self._seq)}"
         ray_name = actor_name(self.name, self._token, name)
         handle = self._actor_factory(self.spec, replica=name, actor_name=ray_name)
-        replica = Replica(name, ray_name, handle, self.spec.config_hash())
+        replica = Replica(name, ray_name, handle, self.spec.config_hash(), restarts=restarts)
         self._replicas[name] = replica
         self._event(name, "starting", f"actor {ray_name}, config {replica.config_hash}")
         return replica

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +19,36 @@ from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingPa
 
 # The trained demo pair the repo ships (demo-target, demo-eagle), from a source checkout.
 DEMO_MODELS = Path(__file__).resolve().parents[3] / "examples" / "models"
+
+
+@contextlib.contextmanager
+def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
+    """A `Gateway` (uvicorn in a thread, free loopback port) on the Ray already initialized,
+    yielded once every replica is ready; stopped on exit.  ``options``: more `Gateway`
+    arguments (``on_stop``, ``admin_token``)."""
+    from specd.workers.gateway import Gateway  # Ray and FastAPI only for the tests that serve
+
+    gw = Gateway(
+        spec,
+        name=name,
+        port=0,
+        drain_timeout_s=5,
+        pool_options={"health_interval_s": 0.3, "probe_timeout_s": 5},
+        **options,
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(gw.run(handle_signals=False)), daemon=True)
+    thread.start()
+    try:
+        assert gw.listening.wait(60), "gateway did not start listening"
+        deadline = time.monotonic() + ready_timeout_s
+        while not gw.pool.converged():
+            assert time.monotonic() < deadline, f"{name}: replicas not ready"
+            time.sleep(0.1)
+        yield gw
+    finally:
+        gw.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "a gateway did not stop"
 
 
 def start_engine(model_path, **overrides) -> Engine:

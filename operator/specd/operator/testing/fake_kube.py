@@ -16,6 +16,8 @@ kubectl need from a real server (DESIGN §8):
   ``additionalPrinterColumns`` (what ``kubectl get`` shows);
 - discovery fixes: core ``groupVersion: v1`` (kmock says ``/v1``), ``/scale`` reported
   as ``autoscaling/v1 Scale``;
+- an OpenAPI v3 document per CRD group-version whose PATCH takes ``fieldValidation``,
+  so kubectl's default ``--validate=strict`` asks the server (admission) to validate;
 - watches subscribe before the initial listing, so no event falls between the two.
 
 No controllers or garbage collection run: tests play them and assert ownerReferences.
@@ -36,7 +38,7 @@ import attrs
 import jsonpatch
 import kmock
 
-from .admission import Admission
+from specd.operator.testing.admission import Admission
 
 
 def _now() -> str:
@@ -138,6 +140,8 @@ class FakeKube(kmock.KubernetesEmulator):
     # -- namespaces: kmock 0.8 cannot parse /api/v1/namespaces (it reads "namespaces"
     # as the start of a namespaced path); kopf lists and watches it to find namespaces.
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path.startswith("/openapi/v3"):
+            return self._openapi_v3(raw_request.path)
         if raw_request.path != "/api/v1/namespaces":
             return await super().__call__(raw_request)
         if raw_request.query.get("watch") != "true":
@@ -152,6 +156,34 @@ class FakeKube(kmock.KubernetesEmulator):
         await response.prepare(raw_request)
         await asyncio.Event().wait()  # namespaces never change here; closed at shutdown
         return response
+
+    # -- OpenAPI v3: enough for kubectl to see that the server validates fields (it
+    # then sends ``fieldValidation=Strict`` and leaves validation to admission)
+    def _openapi_v3(self, path: str) -> aiohttp.web.Response:
+        docs = {f"apis/{res.group}/{res.version}": res for res in self.crds}
+        if path.rstrip("/") == "/openapi/v3":
+            paths = {gv: {"serverRelativeURL": f"/openapi/v3/{gv}"} for gv in docs}
+            return aiohttp.web.json_response({"paths": paths})
+        res = docs.get(path.removeprefix("/openapi/v3/"))
+        if res is None:
+            return _status(404, "NotFound", f"no OpenAPI v3 document at {path}")
+        return aiohttp.web.json_response(self._openapi_document(res))
+
+    def _openapi_document(self, res: Any) -> dict[str, Any]:
+        crd = self.crds[res]
+        kind = crd["spec"]["names"]["kind"]
+        gvk = {"group": res.group, "version": res.version, "kind": kind}
+        version = next(v for v in crd["spec"]["versions"] if v["name"] == res.version)
+        schema = {**version["schema"]["openAPIV3Schema"], "x-kubernetes-group-version-kind": [gvk]}
+        query = [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}]
+        item = f"/apis/{res.group}/{res.version}/namespaces/{{namespace}}/{res.plural}/{{name}}"
+        operation = {"x-kubernetes-group-version-kind": gvk, "parameters": query}
+        return {
+            "openapi": "3.0.0",
+            "info": {"title": "fake", "version": "v0"},
+            "paths": {item: {"patch": operation, "put": operation}},
+            "components": {"schemas": {f"{res.group}.{res.version}.{kind}": schema}},
+        }
 
     # -- request routing ------------------------------------------------------
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
