@@ -44,6 +44,11 @@ def per_replica(metric: str, agg: str = "sum") -> str:
     return f"{agg} by ({PER_REPLICA}) ({sel(metric)})"
 
 
+def rate_per_replica_by(metric: str, label: str) -> tuple[str, str]:
+    """(query, legend): a counter's rate per replica and ``label``."""
+    return rate(metric, by=f"{PER_REPLICA}, {label}"), f"{REPLICA_LEGEND} {{{{{label}}}}}"
+
+
 def quantiles(histogram: str) -> list[tuple[str, str]]:
     """p50/p90/p99 of a histogram, per deployment."""
     buckets = rate(f"{histogram}_bucket", by="deployment, le")
@@ -218,12 +223,7 @@ def speculative() -> dict:
             ),
             panel(
                 "Plain verify batches/s by reason",
-                [
-                    (
-                        rate("specd_spec_plain_steps_total", by=f"{PER_REPLICA}, reason"),
-                        f"{REPLICA_LEGEND} {{{{reason}}}}",
-                    )
-                ],
+                [rate_per_replica_by("specd_spec_plain_steps_total", "reason")],
                 unit="ops",
                 description="rung: the active rung is 0; load: the batch exceeded "
                 "policy.maxBatchForSpec",
@@ -350,23 +350,13 @@ def serving() -> dict:
             ),
             panel(
                 "Engine loop time by phase (share of wall time)",
-                [
-                    (
-                        rate("specd_engine_step_seconds_total", by=f"{PER_REPLICA}, phase"),
-                        f"{REPLICA_LEGEND} {{{{phase}}}}",
-                    )
-                ],
+                [rate_per_replica_by("specd_engine_step_seconds_total", "phase")],
                 unit="percentunit",
                 description="host: scheduling and bookkeeping; model: forward passes",
             ),
             panel(
                 "Engine steps/s by kind",
-                [
-                    (
-                        rate("specd_engine_steps_total", by=f"{PER_REPLICA}, kind"),
-                        f"{REPLICA_LEGEND} {{{{kind}}}}",
-                    )
-                ],
+                [rate_per_replica_by("specd_engine_steps_total", "kind")],
                 unit="ops",
             ),
         ],
