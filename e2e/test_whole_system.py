@@ -36,7 +36,7 @@ from specd.operator import naming
 from specd.operator.children import ChildOptions
 from specd.operator.reconcile import OperatorContext
 from specd.operator.testing.cluster import NAMESPACE, REPO, Cluster, free_port, kopf_in_thread
-from specd.workers.config import SpecDecodeDeployment
+from specd.workers.config import SpecDecodeDeployment, ray_namespace
 
 pytestmark = pytest.mark.slow
 
@@ -233,11 +233,12 @@ def _converged(url: str) -> bool:
 
 
 def _named_actors(prefix: str) -> list[str]:
-    return [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(prefix)
+    """The engine actors' names; they live in the SDD's namespace's Ray namespace."""
+    actors = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)
     ]
+    assert {a["namespace"] for a in actors} <= {ray_namespace(NAMESPACE)}, actors
+    return [a["name"] for a in actors]
 
 
 def test_cr_to_openai_answer_to_status_scale_update_delete(tmp_path, ray_address, monkeypatch):

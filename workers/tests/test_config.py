@@ -2,7 +2,7 @@
 
 import pytest
 
-from specd.workers.config import ConfigError, load_deployment, parse_deployment
+from specd.workers.config import ConfigError, load_deployment, parse_deployment, ray_namespace
 
 
 def doc(**spec):
@@ -176,3 +176,11 @@ def test_config_hash_ignores_replicas_only():
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
+
+
+def test_each_kubernetes_namespace_gets_its_own_ray_namespace():
+    """Same-named SDDs of two namespaces on one Ray cluster: their actor names may
+    collide, their Ray namespaces do not."""
+    assert ray_namespace("team-a") != ray_namespace("team-b")
+    assert ray_namespace(None) == "specd"  # `specd serve` of a file with no namespace
+    assert ray_namespace("team-a") == "specd-team-a"

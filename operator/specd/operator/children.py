@@ -77,7 +77,7 @@ def engine_config_document(sdd: SpecDecodeDeployment) -> dict[str, Any]:
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",
         "kind": KIND,
-        "metadata": {"name": sdd.metadata.name},
+        "metadata": {"name": sdd.metadata.name, "namespace": sdd.metadata.namespace},
         "spec": sdd.spec.model_dump(mode="json", by_alias=True, exclude_none=True),
     }
 

@@ -40,7 +40,7 @@ from specd.operator.reconcile import (
     write_status,
 )
 from specd.operator.status import transitions
-from specd.workers.config import API_GROUP, API_VERSION, RAY_NAMESPACE
+from specd.workers.config import API_GROUP, API_VERSION, ray_namespace
 
 RESOURCE = (API_GROUP, API_VERSION, PLURAL)
 INDEX = "sdd_bodies"  # kopf passes the index to handlers under its handler id
@@ -170,10 +170,11 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 def actors_left_message(raw: dict[str, Any], ctx: OperatorContext, error: str | None) -> str:
     """What to tell the user when the gateway could not release its actors."""
     name, address = raw["metadata"]["name"], raw["spec"]["ray"]["address"]
+    namespace = ray_namespace(raw["metadata"]["namespace"])
     return (
         f"the gateway did not release its actors in {ctx.release_give_up_s:.0f} s ({error}); "
         f"actors named specd-{name}-* may still run on Ray cluster {address} (namespace "
-        f"'{RAY_NAMESPACE}'): ray.kill(ray.get_actor(NAME, namespace='{RAY_NAMESPACE}'))"
+        f"'{namespace}'): ray.kill(ray.get_actor(NAME, namespace='{namespace}'))"
     )
 
 

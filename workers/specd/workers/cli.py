@@ -39,6 +39,7 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
     gateway = Gateway(
         spec,
         name=sdd.metadata.name,
+        namespace=sdd.metadata.namespace,
         host=args.host,
         port=args.port,
         drain_timeout_s=args.drain_timeout,

@@ -35,7 +35,13 @@ KIND = "SpecDecodeDeployment"
 # the gateway pod's environment variable holding the token `POST /admin/release` needs
 # (the operator sets it; see `specd.workers.gateway`)
 ADMIN_TOKEN_ENV = "SPECD_ADMIN_TOKEN"
-RAY_NAMESPACE = "specd"  # the Ray namespace gateways start (and adopt) engine actors in
+
+
+def ray_namespace(kube_namespace: str | None) -> str:
+    """The Ray namespace a gateway starts (and adopts) its engine actors in: one per
+    Kubernetes namespace, so same-named SDDs of two namespaces sharing one Ray
+    cluster never adopt each other's actors."""
+    return f"specd-{kube_namespace}" if kube_namespace else "specd"
 
 
 class ConfigError(ValueError):

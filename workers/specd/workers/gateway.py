@@ -55,7 +55,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from specd.workers.config import RAY_NAMESPACE, DeploymentSpec
+from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
@@ -627,6 +627,7 @@ class _Server(uvicorn.Server):
 class Gateway:
     """Ray connection + pool controller + HTTP server: what ``specd serve`` runs.
 
+    Its actors live in the Ray namespace of its Kubernetes ``namespace`` (`ray_namespace`).
     Connects to ``RAY_ADDRESS`` (or ``spec.ray.address``) when set, else starts a
     local Ray; an already initialized Ray (tests) is used as is and left running.
     SIGINT/SIGTERM (or `stop`) stop accepting connections, let open requests finish
@@ -639,6 +640,7 @@ class Gateway:
         spec: DeploymentSpec,
         *,
         name: str = "specd",
+        namespace: str | None = None,
         host: str = "127.0.0.1",
         port: int = 8000,
         drain_timeout_s: float = 30.0,
@@ -647,7 +649,7 @@ class Gateway:
         pool_options: dict[str, Any] | None = None,
     ):
         self.spec = spec
-        self.name = name
+        self.name, self.namespace = name, namespace
         self.host, self.port = host, port
         self.drain_timeout_s = drain_timeout_s
         self.on_stop, self.admin_token = on_stop, admin_token
@@ -732,12 +734,12 @@ class Gateway:
             return False
         address = os.environ.get("RAY_ADDRESS") or self.spec.ray.address
         if address:
-            ray.init(address=address, namespace=RAY_NAMESPACE)
+            ray.init(address=address, namespace=ray_namespace(self.namespace))
         else:
             # logical CPUs for every replica plus a rolling update's surge one
             needed = math.ceil(self.spec.resources.cpu * (self.spec.replicas + 1))
             ray.init(
-                namespace=RAY_NAMESPACE,
+                namespace=ray_namespace(self.namespace),
                 include_dashboard=False,
                 num_cpus=max(os.cpu_count() or 1, needed),
             )
