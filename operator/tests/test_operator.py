@@ -335,7 +335,9 @@ def test_delete_with_external_ray_has_the_gateway_release_its_actors_first(clust
         # the gateway released its actors (authorized by the SDD's uid), then went
         assert cluster.gateway.releases == [(key, f"Bearer {uid}")]
         assert cluster.get(cluster.deployments, "shared-ray-gateway") is None
-        assert "Released: gateway killed replicas ['r0', 'r1']" in event_messages(cluster)
+        assert "Released: the gateway drained and killed replicas: r0, r1" in event_messages(
+            cluster
+        )
 
 
 def test_delete_with_external_ray_waits_for_an_unreachable_gateway_then_warns(cluster):

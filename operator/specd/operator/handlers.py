@@ -160,7 +160,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         if released is None:
             event = ("Warning", "ActorsNotReleased", actors_left_message(raw, ctx, error))
         else:
-            event = ("Normal", "Released", f"gateway killed replicas {released or 'none'}")
+            killed = ", ".join(released) or "none"
+            event = ("Normal", "Released", f"the gateway drained and killed replicas: {killed}")
         await ctx.client.delete(path)
         await post_events(raw, [event, ("Normal", "Deleted", f"gateway {path}")])
 
