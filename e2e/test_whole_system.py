@@ -90,7 +90,7 @@ class Kubelet:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            live = {d["metadata"]["name"]: d for d in self.cluster.run(lambda: self._deployments())}
+            live = {d["metadata"]["name"]: d for d in self.cluster.live(self.cluster.deployments)}
             for name, deployment in live.items():
                 self._sync_volume(name, deployment)
                 if name not in self.procs:
@@ -99,14 +99,6 @@ class Kubelet:
                 self._restarts.discard(name)
                 self._terminate(name)
             time.sleep(0.2)
-
-    def _deployments(self) -> list[dict[str, Any]]:
-        kube = self.cluster.kube
-        return [
-            kube.get(res, ns, name)
-            for (res, ns, name), obj in list(kube.objects.items())
-            if res == self.cluster.deployments and not obj.deleted
-        ]
 
     def _sync_volume(self, name: str, deployment: dict[str, Any]) -> None:
         pod = deployment["spec"]["template"]["spec"]
@@ -211,17 +203,6 @@ def _ready_on(cluster: Cluster, config_hash: str, replicas: int) -> bool:
         and status.get("readyReplicas") == replicas
         and len(actors) == replicas
         and all(a["configHash"] == config_hash and a["state"] == "ready" for a in actors)
-    )
-
-
-def _event_reasons(cluster: Cluster) -> set[str]:
-    kube = cluster.kube
-    return cluster.run(
-        lambda: {
-            obj.raw.get("reason")
-            for (res, _, _), obj in list(kube.objects.items())
-            if res == cluster.events and not obj.deleted
-        }
     )
 
 
@@ -357,6 +338,6 @@ def test_cr_to_openai_answer_to_status_scale_update_delete(tmp_path, ray_address
             except AssertionError as err:
                 raise AssertionError(f"{err}: {kubelet.exits} {kubelet.log(gateway)}") from None
             cluster.wait_for(lambda: gateway not in kubelet.procs, 60, "the pod gone")
-            assert "Released" in _event_reasons(cluster)
+            assert "Released" in {e.get("reason") for e in cluster.live(cluster.events)}
     finally:
         cluster.close()

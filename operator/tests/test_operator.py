@@ -90,14 +90,7 @@ def spec_of(doc: dict[str, Any]) -> Any:
 
 
 def event_messages(cluster: Cluster) -> str:
-    def read() -> str:
-        return " ".join(
-            f"{e.raw.get('reason')}: {e.raw.get('message')}"
-            for (r, _, _), e in cluster.kube.objects.items()
-            if r == cluster.events and not e.deleted
-        )
-
-    return cluster.run(read)
+    return " ".join(f"{e.get('reason')}: {e.get('message')}" for e in cluster.live(cluster.events))
 
 
 def test_create_makes_every_child_with_owner_references(cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import socket
 import subprocess
@@ -149,6 +150,16 @@ class Cluster:
     # -- object access (on the fakes' loop) -----------------------------------
     def get(self, res: Any, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
         return self.run(lambda: self.kube.get(res, namespace, name))
+
+    def live(self, res: Any) -> list[dict[str, Any]]:
+        """Copies of every not-deleted object of ``res``, in every namespace."""
+        return self.run(
+            lambda: [
+                copy.deepcopy(obj.raw)
+                for (kind, _, _), obj in list(self.kube.objects.items())
+                if kind == res and not obj.deleted
+            ]
+        )
 
     def wait_for(
         self, predicate: Callable[[], Any], timeout: float = 15, what: str = "condition"
