@@ -25,6 +25,7 @@ from specd.workers.testing import (
     random_prompts,
     run_all,
     start_engine,
+    start_spec_engine,
     wait_idle,
 )
 from specd.workers.tools.tiny_draft import make_tiny_eagle
@@ -46,20 +47,10 @@ def reference(pair):
     return prompts, outputs
 
 
-def spec_engine(
-    pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", overlap=False, **extra
-):
+def spec_engine(pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", **extra):
     target, eagle, eagle3 = pair
-    tokens = tokens or (steps + 1 if topk == 1 else min(topk * steps + 1, 2 * steps + 2))
-    return start_engine(
-        target,
-        kvCache={"pageSize": page_size, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 16, "overlap": overlap},
-        draft={"path": eagle if algorithm == "EAGLE" else eagle3, "algorithm": algorithm},
-        speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
-        debug={"strictMemCheck": 1},
-        **extra,
-    )
+    draft = eagle if algorithm == "EAGLE" else eagle3
+    return start_spec_engine(target, draft, page_size, steps, topk, tokens, algorithm, **extra)
 
 
 def run_and_check(engine, prompts, expected):

@@ -13,9 +13,12 @@ row-major, concatenated) the mask is taken as given: this is how tree verify wor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specd.kernels.ops import TORCH_OPS, KernelOps, exclusive_cumsum, host_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,51 +35,49 @@ class AttentionMetadata:
         return len(self.qo_lens)
 
 
-def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    if lens:
-        out[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-    return out.to(device)
+def _indptr(lens: Sequence[int], device: torch.device) -> torch.Tensor:
+    return host_tensor(exclusive_cumsum(lens), device)
 
 
-def gather_kv_indices(
-    req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: list[int]
-) -> torch.Tensor:
-    """Slots of positions ``[0, kv_len[i])`` of each request row, concatenated.
-
-    req_to_token: [num_rows, width] int32; rows: [bs] row ids.
-    """
-    if not kv_lens:
-        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
-    max_len = max(kv_lens)
-    lens = torch.tensor(kv_lens, device=req_to_token.device)
-    table = req_to_token[rows.to(req_to_token.device), :max_len]  # [bs, max_len]
-    keep = torch.arange(max_len, device=req_to_token.device)[None, :] < lens[:, None]
-    return table[keep].to(torch.int64)
+def metadata_from_indices(
+    kv_indices: torch.Tensor,
+    qo_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    custom_mask: torch.Tensor | None = None,
+) -> AttentionMetadata:
+    """Metadata around ``kv_indices`` already gathered on the device (host lengths)."""
+    for q, k in zip(qo_lens, kv_lens, strict=True):
+        if q > k:
+            raise ValueError(f"query length {q} exceeds kv length {k}")
+    device = kv_indices.device
+    return AttentionMetadata(
+        qo_indptr=_indptr(qo_lens, device),
+        kv_indptr=_indptr(kv_lens, device),
+        kv_indices=kv_indices,
+        qo_lens=tuple(qo_lens),
+        kv_lens=tuple(kv_lens),
+        custom_mask=custom_mask,
+    )
 
 
 def build_attention_metadata(
     req_to_token: torch.Tensor,
     rows: torch.Tensor,
-    qo_lens: list[int],
-    kv_lens: list[int],
+    qo_lens: Sequence[int],
+    kv_lens: Sequence[int],
     custom_mask: torch.Tensor | None = None,
+    ops: KernelOps = TORCH_OPS,
 ) -> AttentionMetadata:
-    """Build metadata for requests in ``rows`` reading KV through ``req_to_token``."""
+    """Metadata for requests in ``rows`` reading positions ``[0, kv_len)`` of their row
+    through ``req_to_token`` ([num_rows, width]; rows [bs] row ids)."""
     if len(qo_lens) != len(kv_lens):
         raise ValueError("qo_lens and kv_lens must have one entry per request")
-    for q, k in zip(qo_lens, kv_lens, strict=True):
-        if q > k:
-            raise ValueError(f"query length {q} exceeds kv length {k}")
     device = req_to_token.device
-    return AttentionMetadata(
-        qo_indptr=_indptr(qo_lens, device),
-        kv_indptr=_indptr(kv_lens, device),
-        kv_indices=gather_kv_indices(req_to_token, rows, kv_lens),
-        qo_lens=tuple(qo_lens),
-        kv_lens=tuple(kv_lens),
-        custom_mask=custom_mask,
-    )
+    ends = host_tensor(kv_lens, device)  # [bs]
+    ranges = torch.stack([torch.zeros_like(ends), ends], -1)[:, None, :]  # [bs, 1, 2]
+    extras = torch.zeros(len(kv_lens), 0, dtype=torch.int64, device=device)
+    kv_indices = ops.gather_row_slots(req_to_token, rows.to(device), ranges, extras, kv_lens)
+    return metadata_from_indices(kv_indices, qo_lens, kv_lens, custom_mask)
 
 
 def build_metadata_from_slots(
@@ -91,12 +92,6 @@ def build_metadata_from_slots(
     if not slot_lists:
         raise ValueError("build_metadata_from_slots needs at least one slot list")
     kv_lens = [int(s.numel()) for s in slot_lists]
-    device = slot_lists[0].device
-    return AttentionMetadata(
-        qo_indptr=_indptr(qo_lens, device),
-        kv_indptr=_indptr(kv_lens, device),
-        kv_indices=torch.cat(slot_lists).to(torch.int64),
-        qo_lens=tuple(qo_lens),
-        kv_lens=tuple(kv_lens),
-        custom_mask=custom_mask,
+    return metadata_from_indices(
+        torch.cat(slot_lists).to(torch.int64), qo_lens, kv_lens, custom_mask
     )

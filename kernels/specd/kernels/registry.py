@@ -1,12 +1,16 @@
 """Attention backend registry.
 
-Each backend declares what it supports (devices, custom masks, the paged tree layout
-with page_size > 1 and topk > 1); the engine asks the registry instead of branching
-on names, and config validation refuses combinations a backend cannot run.
+Each backend declares what it supports (devices, dtypes, custom masks, the paged tree
+layout with page_size > 1 and topk > 1); the engine asks the registry instead of
+branching on names, and config validation refuses combinations a backend cannot run.
+
+Backends whose package is missing (``triton``, ``flashinfer``) are not registered; the
+registry remembers why, so asking for one names the install step.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,6 +19,11 @@ import torch
 
 from specd.kernels.metadata import AttentionMetadata
 
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# ``auto`` on CUDA: the first of these that is installed and runs the model's dtype.
+CUDA_PREFERENCE = ("flashinfer", "triton", "torch")
+
 
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
@@ -22,6 +31,7 @@ class BackendCapabilities:
     devices: tuple[str, ...]
     supports_custom_mask: bool
     supports_paged_tree: bool  # page_size > 1 together with topk > 1
+    dtypes: tuple[torch.dtype, ...] = ALL_DTYPES  # KV / query dtypes it computes in
 
 
 class AttentionBackend(Protocol):
@@ -46,6 +56,11 @@ class AttentionBackend(Protocol):
 
 _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {}
 _CAPABILITIES: dict[str, BackendCapabilities] = {}
+_MISSING: dict[str, str] = {}  # backend -> why it is not registered
+_OPTIONAL = {
+    "triton": ("specd.kernels.triton_backend", "pip install triton (or specd[gpu])"),
+    "flashinfer": ("specd.kernels.flashinfer_backend", "pip install 'specd[gpu]' on a CUDA host"),
+}
 
 
 def register_backend(capabilities: BackendCapabilities):
@@ -63,30 +78,61 @@ def register_backend(capabilities: BackendCapabilities):
 def _load_builtin_backends() -> None:
     from specd.kernels import torch_backend  # noqa: F401  (registers itself)
 
+    for name, (module, hint) in _OPTIONAL.items():
+        if name in _CAPABILITIES or name in _MISSING:
+            continue
+        try:
+            importlib.import_module(module)  # registers itself
+        except (ImportError, OSError, RuntimeError) as err:  # package or CUDA runtime absent
+            _MISSING[name] = f"{err}; {hint}"
+
 
 def available_backends() -> dict[str, BackendCapabilities]:
     _load_builtin_backends()
     return dict(_CAPABILITIES)
 
 
-def resolve_backend_name(name: str, device: str) -> str:
-    """Map ``auto`` to a concrete backend for ``device`` and check the device is served."""
+def _pick_auto(device: str, dtype: torch.dtype | None) -> str:
+    backends = available_backends()
+    if device != "cuda":
+        return "torch"
+    for name in CUDA_PREFERENCE:
+        caps = backends.get(name)
+        if caps and device in caps.devices and (dtype is None or dtype in caps.dtypes):
+            return name
+    return "torch"
+
+
+def resolve_backend_name(name: str, device: str, dtype: torch.dtype | None = None) -> str:
+    """Map ``auto`` to a concrete backend for ``device`` (and the model's ``dtype``) and
+    check the backend is installed and runs there."""
     backends = available_backends()
     if name == "auto":
-        name = "flashinfer" if device == "cuda" and "flashinfer" in backends else "torch"
+        return _pick_auto(device, dtype)
     if name not in backends:
+        why = f" ({_MISSING[name]})" if name in _MISSING else ""
         raise ValueError(
-            f"spec.attentionBackend: backend {name!r} is not available in this build; "
+            f"spec.attentionBackend: backend {name!r} is not available in this build{why}; "
             f"available: {sorted(backends)}"
         )
-    if device not in backends[name].devices:
+    caps = backends[name]
+    if device not in caps.devices:
         raise ValueError(
             f"spec.attentionBackend: backend {name!r} does not run on {device}; "
             f"backends for {device}: {sorted(n for n, c in backends.items() if device in c.devices)}"
         )
+    if dtype is not None and dtype not in caps.dtypes:
+        able = sorted(str(d).removeprefix("torch.") for d in caps.dtypes)
+        raise ValueError(
+            f"spec.model.dtype: backend {name!r} does not compute in "
+            f"{str(dtype).removeprefix('torch.')}; use one of {able} or another "
+            f"spec.attentionBackend"
+        )
     return name
 
 
-def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    name = resolve_backend_name(name, device)
+def get_backend(
+    name: str, device: str = "cpu", dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    name = resolve_backend_name(name, device, dtype)
     return _FACTORIES[name]()

@@ -51,11 +51,38 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
     assert not thread.is_alive(), "a gateway did not stop"
 
 
-def start_engine(model_path, **overrides) -> Engine:
+def start_engine(model_path, *, device: str = "cpu", **overrides) -> Engine:
+    """An engine over ``model_path`` (float32 unless ``model.dtype`` says otherwise), with
+    the spec fields in ``overrides`` (camelCase, as in the YAML)."""
     model = {"dtype": "float32", **overrides.pop("model", {})}
-    engine = Engine(spec_for_model(model_path, model=model, **overrides), device="cpu")
+    engine = Engine(spec_for_model(model_path, model=model, **overrides), device=device)
     engine.start()
     return engine
+
+
+def start_spec_engine(
+    target,
+    draft,
+    page_size=1,
+    steps=3,
+    topk=1,
+    tokens=None,
+    algorithm="EAGLE",
+    overlap=False,
+    **extra,
+) -> Engine:
+    """A speculative engine with strict leak checks; ``tokens`` defaults to the chain's
+    ``steps + 1``, or for a tree ``min(topk * steps + 1, 2 * steps + 2)``."""
+    tokens = tokens or (steps + 1 if topk == 1 else min(topk * steps + 1, 2 * steps + 2))
+    return start_engine(
+        target,
+        kvCache={"pageSize": page_size, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16, "overlap": overlap},
+        draft={"path": draft, "algorithm": algorithm},
+        speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
+        debug={"strictMemCheck": 1},
+        **extra,
+    )
 
 
 async def collect(engine: Engine, rid: str, prompt, session_id=None, **params):

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from specd.kernels import available_backends, get_backend, resolve_backend_name
+from specd.kernels.ops import ops_for_backend
 from specd.workers.config import ConfigError, DeploymentSpec
+from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
 from specd.workers.engine.model_runner import ModelRunner
 from specd.workers.engine.types import (
@@ -126,8 +128,16 @@ class _Stream:
 
 
 class Engine:
-    def __init__(self, spec: DeploymentSpec, *, replica: str = "0", device: str | None = None):
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        *,
+        replica: str = "0",
+        device: str | None = None,
+        knobs: BenchKnobs = BenchKnobs(),
+    ):
         self.spec = spec
+        self.knobs = knobs  # benchmark-only, never from the spec
         self.replica = replica
         self.device = torch.device(device or pick_device(spec))
         self.metrics = EngineMetrics(replica)
@@ -184,7 +194,10 @@ class Engine:
         spec = self.spec
         self.tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.path)
         self.model, self.model_config = load_model(
-            spec.model.path, dtype=spec.model.dtype.value, device=str(self.device)
+            spec.model.path,
+            dtype=spec.model.dtype.value,
+            device=str(self.device),
+            dummy=self.knobs.dummy_weights,
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
@@ -205,6 +218,7 @@ class Engine:
                 self.model,
                 self.model_config,
                 device=str(self.device),
+                dummy=self.knobs.dummy_weights,
             )
             self.draft_head = DraftHead(draft, draft_config)
         self._build_memory()
@@ -252,7 +266,15 @@ class Engine:
             row_width(self.context_length, self.spec_shape, page),
             self.device,
         )
-        self.kv = KVManager(self.req_pool, self.allocator)
+        try:
+            backend_name = resolve_backend_name(spec.attention_backend, self.device.type, dtype)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+        check_backend_supports_layout(backend_name, self.spec_shape, page)
+        backend = get_backend(backend_name, self.device.type, dtype)
+        self.backend_name = backend_name
+        ops = ops_for_backend(backend_name)
+        self.kv = KVManager(self.req_pool, self.allocator, ops)
         self.kv_pool = KVPool(
             cfg.num_hidden_layers,
             num_pages * page,
@@ -261,10 +283,9 @@ class Engine:
             dtype,
             self.device,
         )
-        backend_name = resolve_backend_name(spec.attention_backend, self.device.type)
-        check_backend_supports_layout(backend_name, self.spec_shape, page)
-        backend = get_backend(backend_name, self.device.type)
-        self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.req_pool, self.kv_pool, backend, self.device, ops
+        )
         self.spec_decoder: SpecDecoder | None = None
         if draft_cfg is not None:
             draft_pool = KVPool(
@@ -284,6 +305,8 @@ class Engine:
                 draft_pool,
                 backend,
                 self.device,
+                ops=ops,
+                force_accept_len=self.knobs.force_accept_len,
             )
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
 
@@ -782,6 +805,9 @@ class Engine:
         self._status = {
             "replica": self.replica,
             "config_hash": self.config_hash,
+            "device": self.device.type,
+            "attention_backend": self.backend_name,
+            "kernel_ops": self.kv.ops.name,
             "running": len(s.running),
             "queued": len(s.waiting),
             "queued_tokens": queued_tokens,

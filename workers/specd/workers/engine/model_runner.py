@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_metadata
+from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -18,17 +19,24 @@ def extend_layout(
     starts: list[int],
     lens: list[int],
     custom_mask: torch.Tensor | None = None,
+    ops: KernelOps = TORCH_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Row ``rows[i]`` fills positions ``[starts[i], starts[i] + lens[i])``: -> (flattened
-    positions, the KV slots they write, attention metadata reading ``[0, start + n)``)."""
+    positions, the KV slots they write, attention metadata reading ``[0, start + n)``).
+
+    Built from host lengths: one small host-to-device copy, no device sync."""
     device = req_to_token.device
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    positions = torch.cat(
-        [torch.arange(s, s + n, device=device) for s, n in zip(starts, lens, strict=True)]
+    spans = list(zip(rows, starts, lens, strict=True))
+    token_rows = [r for r, _, n in spans for _ in range(n)]
+    token_positions = [p for _, s, n in spans for p in range(s, s + n)]
+    index = host_tensor(token_rows + token_positions + list(rows), device)
+    num_tokens = len(token_rows)
+    positions = index[num_tokens : 2 * num_tokens]  # [num_tokens]
+    out_loc = req_to_token[index[:num_tokens], positions]
+    kv_lens = [s + n for _, s, n in spans]
+    meta = build_attention_metadata(
+        req_to_token, index[2 * num_tokens :], list(lens), kv_lens, custom_mask, ops
     )
-    out_loc = req_to_token[rows_t.repeat_interleave(torch.tensor(lens, device=device)), positions]
-    kv_lens = [s + n for s, n in zip(starts, lens, strict=True)]
-    meta = build_attention_metadata(req_to_token, rows_t, list(lens), kv_lens, custom_mask)
     return positions, out_loc, meta
 
 
@@ -40,8 +48,10 @@ class ModelRunner:
         kv_pool: KVPool,
         backend: AttentionBackend,
         device: torch.device,
+        ops: KernelOps = TORCH_OPS,
     ):
         self.model = model
+        self.ops = ops
         self.req_pool = req_pool
         self.kv_pool = kv_pool
         self.backend = backend
@@ -58,6 +68,7 @@ class ModelRunner:
             [r.kv.row for r in batch.reqs],
             list(batch.prefix_lens),
             list(batch.extend_lens),
+            ops=self.ops,
         )
         ids = [
             t

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.mem_cache.sizing import ceil_page
@@ -57,8 +58,14 @@ def check_row_width(needed: int, width: int) -> None:
 
 
 class KVManager:
-    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator):
+    def __init__(
+        self,
+        req_pool: ReqToTokenPool,
+        allocator: PagedTokenAllocator,
+        ops: KernelOps = TORCH_OPS,
+    ):
         self.req_pool = req_pool
+        self.ops = ops  # writes slots into req_to_token
         self.allocator = allocator
         self.page_size = allocator.page_size
         self._live: dict[int, RequestKV] = {}  # row -> holder
@@ -101,10 +108,18 @@ class KVManager:
         return True
 
     def _write_row(self, kv: RequestKV, start: int, end: int) -> None:
-        positions = torch.arange(start, end)
-        pages = torch.tensor(kv.pages, dtype=torch.int64)
-        slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
-        self.req_pool.req_to_token[kv.row, start:end] = slots.to(self.req_pool.req_to_token.device)
+        """Slots of positions ``[start, end)`` (from the pages, on the host) into the row."""
+        page = self.page_size
+        slots = [kv.pages[p // page] * page + p % page for p in range(start, end)]
+        device = self.req_pool.req_to_token.device
+        row_start_slots = host_tensor([kv.row, start, *slots], device)
+        self.ops.write_req_to_token(
+            self.req_pool.req_to_token,
+            row_start_slots[:1],
+            row_start_slots[1:2],
+            row_start_slots[2:],
+            [end - start],
+        )
 
     def free_tail(self, kv: RequestKV, keep: int) -> None:
         """Shrink the allocation to ``keep`` positions, freeing whole pages past it."""

@@ -3,6 +3,11 @@
 Slot ``s`` of layer ``l`` holds the key/value of whichever request position
 ``req_to_token`` maps to ``s``.  Pages are ``page_size`` consecutive slots; the
 allocator hands out pages, this class only stores tensors.
+
+Every layer's K and V live in one tensor ``[2, num_layers, num_slots, kv_heads,
+head_dim]`` (K = 0, V = 1); the per-layer buffers the attention backends read are
+views of it, and ``planes`` views it as ``[2 * num_layers, num_slots, kv_heads *
+head_dim]`` so one KV move (``KernelOps.move_kv``) covers every layer at once.
 """
 
 from __future__ import annotations
@@ -21,23 +26,20 @@ class KVPool:
         device: torch.device | str,
     ):
         self.num_slots = num_slots
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.buffer = torch.zeros(
+            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.k_buffers = list(self.buffer[0].unbind(0))  # [num_slots, kv_heads, head_dim] each
+        self.v_buffers = list(self.buffer[1].unbind(0))
+        self.planes = self.buffer.view(2 * num_layers, num_slots, num_kv_heads * head_dim)
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` [num_tokens, kv_heads, head_dim] into slots ``loc`` [num_tokens]."""
-        self.k_buffers[layer][loc] = k.to(self.k_buffers[layer].dtype)
-        self.v_buffers[layer][loc] = v.to(self.v_buffers[layer].dtype)
+        self.k_buffers[layer][loc] = k.to(self.buffer.dtype)
+        self.v_buffers[layer][loc] = v.to(self.buffer.dtype)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer], self.v_buffers[layer]
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V from slots ``src`` to slots ``dst`` (same length)."""
-        for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
-            k[dst] = k[src]
-            v[dst] = v[src]
 
     @staticmethod
     def bytes_per_token(

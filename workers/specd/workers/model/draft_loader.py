@@ -27,7 +27,7 @@ from specd.workers.model.cpu_linear import prepack_linears
 from specd.workers.model.eagle import EagleDraftModel
 from specd.workers.model.eagle3 import NUM_AUX_LAYERS, Eagle3DraftModel
 from specd.workers.model.llama import LlamaForCausalLM
-from specd.workers.model.loader import check_weights, resolve_dtype
+from specd.workers.model.loader import check_weights, dummy_weights, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,14 @@ def load_draft(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     prepack_cpu: bool = True,
+    dummy: bool = False,
 ) -> tuple[DraftModel, DraftConfig]:
     """Build the draft described by ``path``/config.json and load its weights.
 
     ``dtype`` ``auto`` means the target's dtype (the reference casts the draft to the base
     model's dtype).  On CPU, linear weights are pre-packed unless ``prepack_cpu`` is False.
+    ``dummy`` (benchmarks): random weights from config.json alone (``loader.dummy_weights``)
+    and, for EAGLE-3, the identity vocab map (draft id i -> target id i).
     """
     folder = Path(path)
     algo = _algorithm(algorithm)
@@ -93,11 +96,6 @@ def load_draft(
     torch_dtype = (
         embed_tokens.weight.dtype if dtype == "auto" else resolve_dtype(dtype, config.model)
     )
-    weights = read_draft_weights(folder, torch_dtype, device)
-    _check_format(folder, algo, weights)
-    _drop_stored_embedding(folder, weights, target_config)
-    if algo is DraftAlgorithm.EAGLE3:
-        _complete_vocab_map(folder, weights, config, device)
     with torch.device("meta"):
         if algo is DraftAlgorithm.EAGLE:
             model = EagleDraftModel(
@@ -107,6 +105,14 @@ def load_draft(
             model = Eagle3DraftModel(
                 config.model, config.draft_vocab_size, embed_tokens, config.fc_bias
             )
+    if dummy:
+        weights = dummy_weights(model, torch_dtype, device)
+    else:
+        weights = read_draft_weights(folder, torch_dtype, device)
+        _check_format(folder, algo, weights)
+        _drop_stored_embedding(folder, weights, target_config)
+    if algo is DraftAlgorithm.EAGLE3:
+        _complete_vocab_map(folder, weights, config, device, identity=dummy)
     check_weights(folder, {name: t.shape for name, t in model.state_dict().items()}, weights)
     model.load_state_dict(weights, assign=True)
     model.eval().requires_grad_(False)
@@ -332,13 +338,15 @@ def _complete_vocab_map(
     weights: dict[str, torch.Tensor],
     config: DraftConfig,
     device: str | torch.device,
+    identity: bool = False,
 ) -> None:
-    """Fill in an identity ``d2t``/``t2d`` for full-vocab drafts that omit them (the
-    reference deletes both when draft_vocab_size == vocab_size), then validate ``d2t``."""
+    """Fill in the identity ``d2t``/``t2d`` (draft id i -> target id i) for full-vocab
+    drafts that omit them (the reference deletes both when draft_vocab_size ==
+    vocab_size), or for any draft when ``identity`` (dummy weights); then validate ``d2t``."""
     vocab, draft_vocab = config.vocab_size, config.draft_vocab_size
-    if draft_vocab == vocab:
-        weights.setdefault("d2t", torch.zeros(vocab, dtype=torch.int64, device=device))
-        weights.setdefault("t2d", torch.ones(vocab, dtype=torch.bool, device=device))
+    if identity or draft_vocab == vocab:
+        weights.setdefault("d2t", torch.zeros(draft_vocab, dtype=torch.int64, device=device))
+        weights.setdefault("t2d", torch.arange(vocab, device=device) < draft_vocab)
     d2t, t2d = weights.get("d2t"), weights.get("t2d")
     if d2t is None or t2d is None:
         return  # check_weights names the missing tensor

@@ -4,6 +4,9 @@ The model is built on the meta device and the checkpoint tensors, cast to the ta
 dtype, are assigned in place: no random init, no second copy in another dtype.  Names
 and shapes are checked against the model before anything is assigned, so a wrong
 checkpoint fails with a message naming the tensor instead of a deep torch error.
+
+``dummy=True`` (benchmarks only) assigns small random tensors made on the device in the
+target dtype instead of reading any weight file, so only config.json is needed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from specd.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelLoadError", "load_model", "read_weights", "resolve_dtype"]
+__all__ = ["ModelLoadError", "dummy_weights", "load_model", "read_weights", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -32,6 +35,7 @@ _DTYPES = {
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved the rope buffer
 _MAX_NAMES_LISTED = 8
+_DUMMY_RANGE = 1e-3  # vLLM's dummy init: activations stay finite through any depth
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
@@ -78,6 +82,26 @@ def read_weights(
     return state
 
 
+def dummy_weights(
+    model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random stand-ins for ``model``'s floating tensors (built on meta), made on ``device``
+    in ``dtype`` and filled in place: norm weights 1, everything else uniform in
+    +-1e-3.  Non-floating buffers are left to the caller."""
+    generator = torch.Generator(device).manual_seed(seed)
+    weights = {}
+    for name, meta in model.state_dict().items():
+        if not meta.is_floating_point():
+            continue
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
+        weights[name] = tensor
+    return weights
+
+
 def _listed(names: list[str]) -> str:
     more = len(names) - _MAX_NAMES_LISTED
     return ", ".join(names[:_MAX_NAMES_LISTED]) + (f" (and {more} more)" if more > 0 else "")
@@ -106,6 +130,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     prepack_cpu: bool = True,
+    dummy: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from ``path``/config.json and load its safetensors weights.
 
@@ -113,16 +138,20 @@ def load_model(
     The LM head is tied to the embeddings when ``tie_word_embeddings`` is set (a stored
     ``lm_head.weight`` is then ignored, as transformers does) or when the checkpoint has
     no ``lm_head.weight``.  On CPU, linear weights are pre-packed for oneDNN unless
-    ``prepack_cpu`` is False (see ``cpu_linear``).
+    ``prepack_cpu`` is False (see ``cpu_linear``).  ``dummy``: random weights, no weight
+    file read (``dummy_weights``).
     """
     folder = Path(path)
     config = load_model_config(folder)
     torch_dtype = resolve_dtype(dtype, config)
-    weights = read_weights(folder, torch_dtype, device)
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    if dummy:
+        weights = dummy_weights(model, torch_dtype, device)
+    else:
+        weights = read_weights(folder, torch_dtype, device)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     tie = "lm_head.weight" not in weights
     if tie:

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.kernels import AttentionBackend, build_metadata_from_slots
+from specd.kernels import AttentionBackend, AttentionMetadata
+from specd.kernels.metadata import metadata_from_indices
+from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.model_runner import extend_layout
 from specd.workers.engine.sampling import filtered_probs, request_generator
 from specd.workers.mem_cache.kv_pool import KVPool
@@ -39,6 +41,7 @@ from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.forced_accept import forced_accept
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.seq_lens import SeqLens
@@ -56,6 +59,49 @@ from specd.workers.speculative.verify import (
     verify_greedy,
     verify_sampling,
 )
+
+
+def grow_ancestors(
+    ancestors: torch.Tensor, parents: torch.Tensor, own: torch.Tensor
+) -> torch.Tensor:
+    """The draft-KV row positions the nodes of the next draft step read after the prefix.
+
+    ancestors [bs, k, s-1]: the previous step's lists; parents [bs, k]: each node's parent
+    among the previous step's nodes (unused at s = 1: step-0 nodes hang off the root,
+    which has no draft KV); own [bs, k]: where this step writes each node.  -> [bs, k, s]
+    (own position last), gathered on the device so drafting needs no host sync.
+    """
+    bs, k, depth = ancestors.shape
+    if depth:
+        ancestors = ancestors.gather(1, parents[:, :, None].expand(-1, -1, depth))
+    return torch.cat([ancestors, own[:, :, None]], 2)
+
+
+def draft_step_reads(
+    ops: KernelOps,
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    roots: list[int],
+    ancestors: torch.Tensor,
+    layout: TreeLayout,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """(metadata, out_loc) of one draft step's bs*k one-token queries: node j of request b
+    reads its branch's prefix (``layout.prefix_ranges``), then ``ancestors[b, j]`` (its
+    ancestors' draft rows and its own, last: where it writes).  rows [bs]: request rows."""
+    bs, k, s = ancestors.shape
+    ranges = [layout.prefix_ranges(root, j) for root in roots for j in range(k)]
+    kv_lens = [sum(b - a for a, b in r) + s for r in ranges]
+    node_rows = rows.repeat_interleave(k)  # [bs*k]
+    flat_ranges = [x for r in ranges for a_b in r for x in a_b]
+    kv_indices = ops.gather_row_slots(
+        req_to_token,
+        node_rows,
+        host_tensor(flat_ranges, rows.device).view(bs * k, -1, 2),
+        ancestors.view(bs * k, s),
+        kv_lens,
+    )
+    out_loc = req_to_token[node_rows, ancestors[:, :, -1].flatten()]
+    return metadata_from_indices(kv_indices, [1] * (bs * k), kv_lens), out_loc
 
 
 class KVWriteOutOfBounds(RuntimeError):
@@ -94,6 +140,9 @@ class SpecDecoder:
         draft_pool: KVPool,
         backend: AttentionBackend,
         device: torch.device,
+        *,
+        ops: KernelOps = TORCH_OPS,
+        force_accept_len: float | None = None,
     ):
         self.target = target
         self.head = head
@@ -104,8 +153,11 @@ class SpecDecoder:
         self.draft_pool = draft_pool
         self.backend = backend
         self.device = device
+        self.ops = ops  # tree structure, verify walk, KV index gathers and moves
         self.states: dict[str, DraftState] = {}  # rid -> state; compute side only
         self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
+        self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
+        self._forced_draws = torch.Generator(device).manual_seed(0)
 
     def layout_for(self, rung: Rung) -> TreeLayout:
         """The draft-tree placement of ``rung`` (one per rung, built on first use)."""
@@ -154,7 +206,7 @@ class SpecDecoder:
             return []
         lens = [len(t) for t in token_ids]
         positions, out_loc, meta = extend_layout(
-            self.req_pool.req_to_token, [r.kv.row for r in reqs], starts, lens
+            self.req_pool.req_to_token, [r.kv.row for r in reqs], starts, lens, ops=self.ops
         )
         ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
         next_feats, logit_hidden = self.head.forward(
@@ -183,7 +235,7 @@ class SpecDecoder:
             tree = self._draft_tree(reqs, states, layout, rung.draft_tokens)
         else:
             guesses = self._draft_guesses(states)
-            tree = build_tree(self._root_tokens(states), [], 1)
+            tree = build_tree(self._root_tokens(states), [], 1, self.ops)
         hidden, aux = self._verify_forward(reqs, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
         result = self._accept(reqs, tree, logits)
@@ -236,16 +288,16 @@ class SpecDecoder:
         self, reqs: list[Req], roots: list[int], layout: TreeLayout
     ) -> None:
         """Paged tree layout: copy each prefix's tail page into branches 1..k-1 (draft KV)."""
-        src, dst = [], []
-        for req, root in zip(reqs, roots, strict=True):
-            for s, d in layout.prefix_tail_copies(root):
-                src.append(self._slot(req, s))
-                dst.append(self._slot(req, d))
-        if src:
-            self.draft_pool.move(torch.stack(src), torch.stack(dst))
-
-    def _slot(self, req: Req, position: int) -> torch.Tensor:
-        return self.req_pool.req_to_token[req.kv.row, position]
+        copies = [
+            (req.kv.row, src, dst)
+            for req, root in zip(reqs, roots, strict=True)
+            for src, dst in layout.prefix_tail_copies(root)
+        ]
+        if not copies:
+            return
+        rows, src, dst = host_tensor(sum(copies, ()), self.device).view(-1, 3).unbind(1)
+        table = self.req_pool.req_to_token
+        self.ops.move_kv(self.draft_pool.planes, table[rows, src], table[rows, dst])
 
     def _root_tokens(self, states: list[DraftState]) -> torch.Tensor:
         return torch.tensor([s.root_token for s in states], device=self.device)  # [bs]
@@ -263,64 +315,45 @@ class SpecDecoder:
     ) -> DraftTree:
         k = layout.topk
         roots = [s.root_position for s in states]
+        rows = host_tensor([r.kv.row for r in reqs], self.device)  # [bs]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
         logprobs = self._root_logprobs(states)
         steps = [self._to_target(first_step(logprobs, k))]
         feats = root_feats[:, None, :].expand(-1, k, -1)  # [bs, k, H] inputs of step 1
-        ancestors: list[list[list[int]]] = [[[] for _ in range(k)] for _ in reqs]
+        ancestors = torch.zeros(len(reqs), k, 0, dtype=torch.int64, device=self.device)
         for s in range(1, layout.num_steps):
             prev = steps[-1]
             if s > 1:
                 feats = feats.gather(1, prev.parents[:, :, None].expand(-1, -1, feats.shape[-1]))
-            ancestors = [
-                [anc[p] + [layout.node_position(root, s, j)] for j, p in enumerate(parents)]
-                for anc, root, parents in zip(
-                    ancestors, roots, self._parents_of(prev, s), strict=True
-                )
-            ]
+            own = host_tensor(layout.node_positions(roots, s), self.device).view(len(reqs), k)
+            ancestors = grow_ancestors(ancestors, prev.parents, own)
             feats, logit_hidden = self._draft_step(
-                reqs, roots, prev.tokens, feats, s, ancestors, layout
+                rows, roots, prev.tokens, feats, ancestors, layout
             )
             child = self.head.logprobs(logit_hidden.flatten(0, 1)).view(len(reqs), k, -1)
             steps.append(self._to_target(expand_step(prev, child, k)))
-        return build_tree(self._root_tokens(states), steps, num_tokens)
-
-    def _parents_of(self, step: StepOut, s: int) -> list[list[int]]:
-        """Index of each node's parent among the previous draft step's inputs (0 at s=1)."""
-        if s == 1:
-            return [[0] * step.tokens.shape[1] for _ in range(step.tokens.shape[0])]
-        return step.parents.tolist()
+        return build_tree(self._root_tokens(states), steps, num_tokens, self.ops)
 
     def _to_target(self, step: StepOut) -> StepOut:
         return dataclasses.replace(step, tokens=self.head.to_target_ids(step.tokens))
 
     def _draft_step(
         self,
-        reqs: list[Req],
+        rows: torch.Tensor,
         roots: list[int],
         tokens: torch.Tensor,
         feats: torch.Tensor,
-        s: int,
-        ancestors: list[list[list[int]]],
+        ancestors: torch.Tensor,
         layout: TreeLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bs*k one-token draft forwards; node j reads its branch's prefix + its ancestors."""
-        bs, k = tokens.shape
-        table = self.req_pool.req_to_token
-        slot_lists, own = [], []
-        for req, root, anc in zip(reqs, roots, ancestors, strict=True):
-            row = table[req.kv.row]
-            for j in range(k):
-                prefix = [row[a:b] for a, b in layout.prefix_ranges(root, j)]
-                slot_lists.append(torch.cat([*prefix, row[anc[j]]]))
-                own.append(row[anc[j][-1]])
-        meta = build_metadata_from_slots(slot_lists, [1] * (bs * k))
-        positions = (torch.tensor(roots, device=self.device) + (s - 1)).repeat_interleave(k)
+        """bs*k one-token draft forwards at ``tokens`` [bs, k] (see ``draft_step_reads``)."""
+        bs, k, s = ancestors.shape
+        meta, out_loc = draft_step_reads(
+            self.ops, self.req_pool.req_to_token, rows, roots, ancestors, layout
+        )
+        positions = host_tensor([root + s - 1 for root in roots for _ in range(k)], self.device)
         next_feats, logit_hidden = self.head.forward(
-            tokens.flatten(),
-            feats.flatten(0, 1),
-            positions,
-            self._draft_ctx(meta, torch.stack(own)),
+            tokens.flatten(), feats.flatten(0, 1), positions, self._draft_ctx(meta, out_loc)
         )
         return next_feats.view(bs, k, -1), logit_hidden.view(bs, k, -1)
 
@@ -333,7 +366,8 @@ class SpecDecoder:
             [r.kv.row for r in reqs],
             roots,
             [tree.num_tokens] * len(reqs),
-            tree_attention_mask_for_verify(tree, roots),
+            tree_attention_mask_for_verify(tree, roots, self.ops),
+            ops=self.ops,
         )
         ctx = ForwardContext(self.backend.plan(meta), out_loc, self.target_pool, self.backend)
         positions = tree.positions(torch.tensor(roots, device=self.device)).flatten()
@@ -344,8 +378,10 @@ class SpecDecoder:
     def _accept(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         """Greedy walk when every request is greedy, else tree speculative sampling
         (greedy requests get one-hot rows and zero coins, which is the greedy walk)."""
+        if self.force_accept_len is not None:  # benchmarks: acceptance at a chosen mean
+            return forced_accept(tree, logits.argmax(-1), self.force_accept_len, self._forced_draws)
         if all(r.params.greedy for r in reqs):
-            return verify_greedy(tree, logits.argmax(-1))
+            return verify_greedy(tree, logits.argmax(-1), self.ops)
         probs = torch.empty_like(logits)
         coins = torch.zeros(len(reqs), tree.num_tokens + 1, device=self.device)
         for b, req in enumerate(reqs):
@@ -361,11 +397,14 @@ class SpecDecoder:
         return verify_sampling(tree, probs, coins)
 
     def _move_accepted_kv(self, reqs: list[Req], roots: list[int], result: VerifyResult) -> None:
-        """Make the accepted path's target KV contiguous at ``[root, root + accepted + 1)``."""
-        b, src, dst = accepted_path_positions(result).needed()
-        if b.numel() == 0:
-            return
-        rows = torch.tensor([r.kv.row for r in reqs], device=self.device)[b]
-        base = torch.tensor(roots, device=self.device)[b]
+        """Make the accepted path's target KV contiguous at ``[root, root + accepted + 1)``
+        (every request moves S+1 entries, the unused ones onto themselves: no sync)."""
+        src, dst = accepted_path_positions(result).padded()  # [bs, S+1] offsets from root
+        rows = host_tensor([r.kv.row for r in reqs], self.device)[:, None]
+        base = host_tensor(roots, self.device)[:, None]
         table = self.req_pool.req_to_token
-        self.target_pool.move(table[rows, base + src], table[rows, base + dst])
+        self.ops.move_kv(
+            self.target_pool.planes,
+            table[rows, base + src].flatten(),
+            table[rows, base + dst].flatten(),
+        )

@@ -53,6 +53,10 @@ class TreeLayout:
         base, tail, span = self._region(prefix_len)
         return base + node * span + tail + step - 1
 
+    def node_positions(self, prefix_lens: list[int], step: int) -> list[int]:
+        """``node_position`` of every node of ``step`` for each prefix, request-major."""
+        return [self.node_position(n, step, j) for n in prefix_lens for j in range(self.topk)]
+
     def prefix_ranges(self, prefix_len: int, branch: int) -> list[tuple[int, int]]:
         """Half-open row-position ranges a query of branch ``branch`` reads as the prefix."""
         if not self.paged:

@@ -14,8 +14,9 @@ The engine calls the steps between draft forwards (chain drafting is ``k == 1``)
         steps.append(step)
     tree = build_tree(root_tokens, steps, T)
 
-Everything is batched over requests and runs on CPU or CUDA; the only loops are over the
-T tree nodes (small), plus a host loop over requests for the ragged verify mask.
+Everything is batched over requests and runs on CPU or CUDA with no host sync; the
+structure from parent links and the verify mask come from the engine's ``KernelOps``
+(torch, or one Triton launch each).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specd.kernels.ops import TORCH_OPS, KernelOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,11 @@ class DraftTree:
 
     @classmethod
     def from_parents(
-        cls, tokens: torch.Tensor, parents: torch.Tensor, num_steps: int | None = None
+        cls,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        num_steps: int | None = None,
+        ops: KernelOps = TORCH_OPS,
     ) -> DraftTree:
         """Build depths, mask and retrieve arrays from tokens/parents [bs, T].
 
@@ -104,21 +111,15 @@ class DraftTree:
         ``check_invariants``).  ``num_steps`` defaults to the max depth (a device sync).
         """
         tokens, parents = tokens.long(), parents.long()
-        depths, tree_mask = _depths_and_ancestors(parents)
-        is_child = (
-            parents[:, None, :]
-            == torch.arange(parents.shape[1], device=parents.device)[None, :, None]
-        )  # [bs, parent p, node i]
-        same_parent = parents[:, :, None] == parents[:, None, :]  # [bs, i, j]
-        after = torch.ones_like(same_parent[0]).triu(1)  # [T, T]: j > i
+        structure = ops.tree_structure(parents)
         return cls(
             tokens=tokens,
             parents=parents,
-            depths=depths,
-            tree_mask=tree_mask,
-            retrieve_next_token=first_true(is_child),
-            retrieve_next_sibling=first_true(same_parent & after),
-            num_steps=int(depths.max()) if num_steps is None else num_steps,
+            depths=structure.depths,
+            tree_mask=structure.tree_mask,
+            retrieve_next_token=structure.next_token,
+            retrieve_next_sibling=structure.next_sibling,
+            num_steps=int(structure.depths.max()) if num_steps is None else num_steps,
         )
 
     def check_invariants(self) -> None:
@@ -133,28 +134,11 @@ class DraftTree:
             raise ValueError(f"a node is deeper than num_steps={self.num_steps}")
 
 
-def _depths_and_ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """parents [bs, T] -> depths [bs, T], ancestor-or-self mask [bs, T, T] (one pass)."""
-    bs, t = parents.shape
-    rows = torch.arange(bs, device=parents.device)
-    depths = torch.zeros_like(parents)
-    mask = torch.eye(t, dtype=torch.bool, device=parents.device).repeat(bs, 1, 1)
-    for i in range(1, t):  # parents precede children: row parents[:, i] is final already
-        p = parents[:, i]
-        depths[:, i] = depths[rows, p] + 1
-        mask[:, i] |= mask[rows, p]
-    return depths, mask
-
-
-def first_true(m: torch.Tensor) -> torch.Tensor:
-    """m [..., T] bool -> [...] index of the first True along the last dim, -1 if none."""
-    t = m.shape[-1]
-    idx = torch.where(m, torch.arange(t, device=m.device), t).amin(-1)
-    return torch.where(idx == t, -1, idx)
-
-
 def build_tree(
-    root_tokens: torch.Tensor, steps: Sequence[StepOut], num_draft_tokens: int
+    root_tokens: torch.Tensor,
+    steps: Sequence[StepOut],
+    num_draft_tokens: int,
+    ops: KernelOps = TORCH_OPS,
 ) -> DraftTree:
     """Keep the best ``T - 1`` of the S*k drafted nodes, parents first, after the root.
 
@@ -188,7 +172,7 @@ def build_tree(
                 f"the root alone (1)"
             )
         root = root_tokens.long()[:, None]  # [bs, 1]
-        return DraftTree.from_parents(root, torch.full_like(root, -1), num_steps=0)
+        return DraftTree.from_parents(root, torch.full_like(root, -1), num_steps=0, ops=ops)
     k, num_cand = steps[0].tokens.shape[1], len(steps) * steps[0].tokens.shape[1]
     if not 1 <= num_draft_tokens <= num_cand + 1:
         raise ValueError(
@@ -213,6 +197,7 @@ def build_tree(
         tokens=torch.cat([root_tokens.long()[:, None], tokens.gather(1, kept)], 1),
         parents=torch.cat([torch.full_like(parents[:, :1], -1), parents], 1),
         num_steps=len(steps),
+        ops=ops,
     )
 
 
@@ -225,15 +210,13 @@ def _ancestor_min_scores(steps: Sequence[StepOut]) -> torch.Tensor:
 
 
 def tree_attention_mask_for_verify(
-    tree: DraftTree, prefix_lens: torch.Tensor | Sequence[int]
+    tree: DraftTree, prefix_lens: torch.Tensor | Sequence[int], ops: KernelOps = TORCH_OPS
 ) -> torch.Tensor:
     """Flat bool verify mask in ``AttentionMetadata.custom_mask`` layout.
 
     Per request: ``[T, prefix_len + T]`` row-major, the prefix fully visible, then the tree
     mask, assuming the request's KV order is the prefix followed by the T nodes in node
-    order; requests concatenated.  Ragged, so built by a host loop over requests.
+    order; requests concatenated.  ``prefix_lens`` are host values (a tensor is read back).
     """
     lens = prefix_lens.tolist() if isinstance(prefix_lens, torch.Tensor) else list(prefix_lens)
-    t, mask = tree.num_tokens, tree.tree_mask
-    parts = [torch.cat([mask.new_ones(t, n), mask[b]], 1).flatten() for b, n in enumerate(lens)]
-    return torch.cat(parts) if parts else mask.new_zeros(0)
+    return ops.verify_mask(tree.tree_mask, lens)

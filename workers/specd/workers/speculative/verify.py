@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.workers.speculative.tree import DraftTree, first_true
+from specd.kernels.ops import TORCH_OPS, KernelOps, first_true
+from specd.workers.speculative.tree import DraftTree
 
 PAD = -1
 
@@ -57,24 +58,26 @@ def _result(tree: DraftTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyR
     return VerifyResult(accept_index, accept_len, bonus, accepted, accept_len + 1)
 
 
-def verify_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> VerifyResult:
+def verify_greedy(
+    tree: DraftTree, target_argmax: torch.Tensor, ops: KernelOps = TORCH_OPS
+) -> VerifyResult:
     """target_argmax [bs, T]: the target's argmax at each node.
 
     From the root, move to the child whose token equals the target's argmax at the
     current node (the lowest index if siblings repeat a token) until none matches; the
     bonus is the argmax at the last accepted node.
     """
-    bs, t = tree.tokens.shape
-    rows = torch.arange(bs, device=tree.tokens.device)
-    node = torch.arange(t, device=tree.tokens.device)
-    is_child = tree.parents[:, None, :] == node[None, :, None]  # [bs, parent p, node i]
-    predicted = tree.tokens[:, None, :] == target_argmax.long()[:, :, None]  # [bs, p, i]
-    next_node = first_true(is_child & predicted)  # [bs, T], -1: stop here
-    last = torch.zeros(bs, dtype=torch.long, device=rows.device)
-    for _ in range(tree.num_steps):  # a stopped walk stays put
-        nxt = next_node[rows, last]
-        last = torch.where(nxt >= 0, nxt, last)
-    return _result(tree, last, target_argmax.long()[rows, last])
+    target_argmax = target_argmax.long()
+    last = ops.greedy_walk(
+        tree.tokens,
+        tree.parents,
+        tree.retrieve_next_token,
+        tree.retrieve_next_sibling,
+        target_argmax,
+        tree.num_steps,
+    )
+    rows = torch.arange(tree.batch_size, device=last.device)
+    return _result(tree, last, target_argmax[rows, last])
 
 
 def draw_coins(
@@ -168,6 +171,11 @@ class PathMoves:
         move = self.valid & (self.src != self.dst)
         req = torch.arange(self.src.shape[0], device=self.src.device)[:, None].expand_as(move)
         return req[move], self.src[move], self.dst[move]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) [bs, S+1] with every invalid entry a no-op move of offset 0 (the
+        root onto itself): the same moves as ``needed`` with no host sync."""
+        return self.src.clamp(min=0), self.dst.clamp(min=0)
 
 
 def accepted_path_positions(

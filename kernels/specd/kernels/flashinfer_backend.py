@@ -1,0 +1,130 @@
+"""flashinfer attention over the token pool (CUDA, bfloat16 / float16).
+
+The pool is one slot per token, so it is flashinfer's paged KV with page size 1: a
+layer's ``k_buffer [slots, kv_heads, head_dim]`` is the ``NHD`` page table
+``[slots, 1, kv_heads, head_dim]`` as a view, ``kv_indices`` are the page indices and
+every last page holds one token.  That covers every read the engine makes, holey
+per-branch draft layouts included (seed 002), with no layout of its own.
+
+* A batch of one-token queries without a custom mask (decode, draft steps) runs
+  ``BatchDecodeWithPagedKVCacheWrapper``; anything else (prefill chunks, mixed batches,
+  tree verify with its custom mask) runs ``BatchPrefillWithPagedKVCacheWrapper``.
+* ``plan`` keeps the host-side index arrays; the wrapper's own ``plan`` needs the
+  head counts, head size and dtypes, which only the first layer's ``forward`` knows, so
+  it runs there once and every later layer of the batch reuses it.  A wrapper serves
+  one planned batch at a time; a plan whose wrapper was re-planned for another batch
+  plans it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import flashinfer
+import torch
+
+from specd.kernels.metadata import AttentionMetadata
+from specd.kernels.registry import BackendCapabilities, register_backend
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch
+_plan_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class FlashInferPlan:
+    """One batch: host index arrays (flashinfer plans from host copies, no sync)."""
+
+    meta: AttentionMetadata
+    decode: bool  # every request a single causal query: the decode wrapper
+    qo_indptr: torch.Tensor  # [bs + 1] int32, host
+    kv_indptr: torch.Tensor  # [bs + 1] int32, host
+    kv_indices: torch.Tensor  # [sum(kv_len)] int32, on device
+    last_page_len: torch.Tensor  # [bs] int32, host: all 1 (page size 1)
+    plan_id: int = field(default_factory=lambda: next(_plan_ids))
+
+
+def _host_indptr(lens: tuple[int, ...]) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
+    return out
+
+
+@register_backend(
+    BackendCapabilities(
+        name="flashinfer",
+        devices=("cuda",),
+        supports_custom_mask=True,
+        supports_paged_tree=True,
+        dtypes=(torch.bfloat16, torch.float16),
+    )
+)
+class FlashInferAttentionBackend:
+    def __init__(self):
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[str, object] = {}
+        self._planned: dict[str, tuple[int, int, int, int]] = {}  # kind -> (plan, H, Hkv, D)
+
+    def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
+        decode = meta.custom_mask is None and all(q == 1 for q in meta.qo_lens)
+        return FlashInferPlan(
+            meta=meta,
+            decode=decode,
+            qo_indptr=_host_indptr(meta.qo_lens),
+            kv_indptr=_host_indptr(meta.kv_lens),
+            kv_indices=meta.kv_indices.to(torch.int32),
+            last_page_len=torch.ones(meta.batch_size, dtype=torch.int32),
+        )
+
+    def forward(self, q, k_buffer, v_buffer, plan: FlashInferPlan, scale: float):
+        """q [N, H, D] -> [N, H, D], reading K/V through ``plan`` (page size 1)."""
+        wrapper = self._planned_wrapper(plan, q, k_buffer, scale)
+        kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # NHD pages of one token
+        return wrapper.run(q, kv)
+
+    def _planned_wrapper(self, plan: FlashInferPlan, q, k_buffer, scale: float):
+        kind = "decode" if plan.decode else "prefill"
+        key = (plan.plan_id, q.shape[1], k_buffer.shape[1], q.shape[2])
+        wrapper = self._wrapper(kind, q.device, q.shape[1] // k_buffer.shape[1])
+        if self._planned.get(kind) != key:
+            if plan.decode:
+                self._plan_decode(wrapper, plan, q, k_buffer, scale)
+            else:
+                self._plan_prefill(wrapper, plan, q, k_buffer, scale)
+            self._planned[kind] = key
+        return wrapper
+
+    def _wrapper(self, kind: str, device: torch.device, group: int):
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if kind not in self._wrappers:
+            if kind == "decode":  # tensor cores pay off once a kv head serves >= 4 q heads
+                self._wrappers[kind] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=group >= 4
+                )
+            else:
+                self._wrappers[kind] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD"
+                )
+        return self._wrappers[kind]
+
+    @staticmethod
+    def _plan_decode(wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
+        heads = (q.shape[1], k_buffer.shape[1], q.shape[2], 1)  # q, kv heads, dim, page size
+        wrapper.plan(
+            plan.kv_indptr, plan.kv_indices, plan.last_page_len, *heads,
+            **_dtypes_and_scale(q, k_buffer, scale),
+        )  # fmt: skip
+
+    @staticmethod
+    def _plan_prefill(wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
+        heads = (q.shape[1], k_buffer.shape[1], q.shape[2], 1)
+        wrapper.plan(
+            plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, *heads,
+            custom_mask=plan.meta.custom_mask, causal=plan.meta.custom_mask is None,
+            **_dtypes_and_scale(q, k_buffer, scale),
+        )  # fmt: skip
+
+
+def _dtypes_and_scale(q: torch.Tensor, k_buffer: torch.Tensor, scale: float) -> dict:
+    return {"q_data_type": q.dtype, "kv_data_type": k_buffer.dtype, "sm_scale": scale}

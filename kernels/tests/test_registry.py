@@ -1,0 +1,69 @@
+"""Backend resolution: ``auto`` per device and dtype, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.kernels import registry
+from specd.kernels.registry import (
+    CUDA_PREFERENCE,
+    BackendCapabilities,
+    available_backends,
+    resolve_backend_name,
+)
+from specd.kernels.torch_backend import TorchAttentionBackend
+
+
+def fake_backend(monkeypatch, name, devices=("cpu", "cuda"), dtypes=registry.ALL_DTYPES):
+    """Register ``name`` for this test only."""
+    caps = BackendCapabilities(name, devices, True, True, dtypes)
+    monkeypatch.setitem(registry._CAPABILITIES, name, caps)
+    monkeypatch.setitem(registry._FACTORIES, name, TorchAttentionBackend)
+
+
+def test_auto_is_torch_on_cpu():
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert resolve_backend_name("auto", "cpu", torch.bfloat16) == "torch"
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
+def test_auto_on_cuda_is_the_first_installed_backend_for_the_dtype(dtype):
+    backends = available_backends()
+    want = next(
+        name
+        for name in CUDA_PREFERENCE
+        if name in backends
+        and "cuda" in backends[name].devices
+        and (dtype is None or dtype in backends[name].dtypes)
+    )
+    assert resolve_backend_name("auto", "cuda", dtype) == want
+
+
+def test_auto_prefers_flashinfer_then_triton(monkeypatch):
+    fake_backend(monkeypatch, "flashinfer", ("cuda",), (torch.bfloat16, torch.float16))
+    fake_backend(monkeypatch, "triton", ("cuda",))
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.float32) == "triton"  # not flashinfer's
+    monkeypatch.delitem(registry._CAPABILITIES, "triton")
+    assert resolve_backend_name("auto", "cuda", torch.float32) == "torch"
+
+
+def test_a_dtype_the_backend_cannot_compute_in_names_the_field(monkeypatch):
+    fake_backend(monkeypatch, "half-only", dtypes=(torch.bfloat16,))
+    assert resolve_backend_name("half-only", "cpu", torch.bfloat16) == "half-only"
+    with pytest.raises(ValueError, match=r"spec.model.dtype: .*half-only.* float32.*bfloat16"):
+        resolve_backend_name("half-only", "cpu", torch.float32)
+
+
+def test_a_missing_backend_names_the_install_step():
+    if "flashinfer" in available_backends():
+        pytest.skip("flashinfer is installed here")
+    with pytest.raises(ValueError, match=r"spec.attentionBackend: .*flashinfer.*pip install"):
+        resolve_backend_name("flashinfer", "cuda")
+
+
+def test_a_backend_for_another_device_is_refused(monkeypatch):
+    fake_backend(monkeypatch, "gpu-only", ("cuda",))
+    with pytest.raises(ValueError, match=r"does not run on cpu; backends for cpu: .*torch"):
+        resolve_backend_name("gpu-only", "cpu")

@@ -1,0 +1,222 @@
+"""Benchmark-only knobs (engine/bench_knobs.py): dummy weights, forced acceptance, and the
+GPU benchmark's CPU smoke run."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specd.workers.config import spec_for_model
+from specd.workers.engine.bench_knobs import BenchKnobs
+from specd.workers.engine.engine import Engine
+from specd.workers.engine.types import FinishReason
+from specd.workers.model.config import ModelLoadError
+from specd.workers.model.loader import load_model
+from specd.workers.speculative.forced_accept import forced_accept
+from specd.workers.speculative.tree import DraftTree
+from specd.workers.testing import (
+    check_exact_run,
+    collect,
+    hf_greedy,
+    metric_value,
+    random_prompts,
+    run_all,
+    wait_idle,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
+
+
+def config_only(src: str, dst: Path) -> str:
+    """A copy of a model folder without its weight files (config and tokenizer only)."""
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy(f, dst / f.name)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def bare_pair(pair, tmp_path_factory):
+    """(target, EAGLE, EAGLE-3) folders holding no weights."""
+    root = tmp_path_factory.mktemp("bare")
+    return tuple(
+        config_only(src, root / name) for src, name in zip(pair, ("t", "e", "e3"), strict=True)
+    )
+
+
+def knob_engine(target, knobs, draft=None, algorithm="EAGLE", steps=5, topk=1, tokens=6):
+    fields = dict(
+        model={"dtype": "float32"},
+        kvCache={"pageSize": 4, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16},
+        debug={"strictMemCheck": 1},
+    )
+    if draft is not None:
+        fields["draft"] = {"path": draft, "algorithm": algorithm}
+        fields["speculative"] = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
+    engine = Engine(spec_for_model(target, **fields), device="cpu", knobs=knobs)
+    engine.start()
+    return engine
+
+
+def check_leak_free(engine):
+    assert wait_idle(engine)
+    assert engine.status()["healthy"], engine.status()["last_error"]
+    assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
+    assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
+
+
+# -- dummy weights ------------------------------------------------------------------------
+def test_weightless_folder_needs_the_knob(bare_pair):
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(bare_pair[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_target_is_small_random_on_device(bare_pair, dtype):
+    model, _ = load_model(bare_pair[0], dtype=dtype, prepack_cpu=False, dummy=True)
+    for name, t in model.state_dict().items():
+        assert t.dtype == dtype and t.device.type == "cpu", name
+        if name.endswith("norm.weight"):
+            assert bool((t == 1).all()), name
+        else:
+            assert 0 < float(t.abs().max()) <= 1.01e-3, name
+
+
+@pytest.mark.parametrize("algorithm", [None, "EAGLE", "EAGLE3"])
+def test_dummy_weights_load_and_generate(bare_pair, algorithm):
+    target, eagle, eagle3 = bare_pair
+    draft = {None: None, "EAGLE": eagle, "EAGLE3": eagle3}[algorithm]
+    engine = knob_engine(target, BenchKnobs(dummy_weights=True), draft, algorithm or "EAGLE")
+    try:
+        results = run_all(engine, random_prompts(3, 300, seed=1), max_tokens=8, ignore_eos=True)
+        assert all(len(r[0]) == 8 and r[2].finish_reason is FinishReason.LENGTH for r in results)
+        check_leak_free(engine)
+        if algorithm == "EAGLE3":  # the identity vocab map: draft id i -> target id i
+            head = engine.draft_head.model
+            assert not head.d2t.any()
+            assert head.t2d.nonzero().flatten().tolist() == list(range(len(head.d2t)))
+    finally:
+        engine.shutdown()
+
+
+# -- forced acceptance ----------------------------------------------------------------------
+def chain_and_branch_tree() -> DraftTree:
+    """root -> a -> c -> d and root -> b: the first-child chain is root, a, c, d."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14]])
+    parents = torch.tensor([[-1, 0, 0, 1, 3]])  # a=1, b=2, c=3 (child of a), d=4 (child of c)
+    return DraftTree.from_parents(tokens, parents, num_steps=3)
+
+
+@pytest.mark.parametrize(
+    ("mean_len", "path", "bonus"),
+    [
+        pytest.param(1.0, [0], 100, id="nothing-accepted"),
+        pytest.param(3.0, [0, 1, 3], 103, id="two-along-first-children"),
+        pytest.param(9.0, [0, 1, 3, 4], 104, id="clamped-to-chain-depth"),
+    ],
+)
+def test_forced_accept_walks_first_children(mean_len, path, bonus):
+    tree = chain_and_branch_tree()
+    argmax = torch.arange(100, 105)[None, :]  # the target's argmax at node i is 100 + i
+    result = forced_accept(tree, argmax, mean_len, torch.Generator().manual_seed(0))
+    n = len(path) - 1
+    drafts = tree.tokens[0, path[1:]].tolist()
+    assert result.accept_index[0, : n + 1].tolist() == path
+    assert int(result.accept_len[0]) == n
+    assert result.accepted_tokens[0, : n + 1].tolist() == [*drafts, bonus]
+
+
+def test_forced_accept_mean_over_draws():
+    tokens = torch.arange(6)[None, :].repeat(4096, 1)  # a chain of 5 drafts per request
+    parents = torch.arange(-1, 5)[None, :].repeat(4096, 1)
+    tree = DraftTree.from_parents(tokens, parents, num_steps=5)
+    result = forced_accept(tree, tokens, 2.3, torch.Generator().manual_seed(0))
+    assert set(result.accept_len.tolist()) == {1, 2}
+    assert float(result.accept_len.double().mean()) == pytest.approx(1.3, abs=0.03)
+
+
+def greedy_and_sampled(engine, prompts, max_tokens):
+    """Every other request samples (temperature 0.7), all in one run."""
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                collect(engine, f"r{i}", p, max_tokens=max_tokens, ignore_eos=True, temperature=t)
+                for i, (p, t) in enumerate(zip(prompts, itertools.cycle([0.0, 0.7])))
+            )
+        )
+
+    return asyncio.run(go())
+
+
+SHAPES = {"chain": (5, 1, 6), "tree": (5, 4, 16)}  # steps, topk, numDraftTokens
+
+
+@pytest.mark.parametrize("mean_len", [1.0, 2.5, 4.0])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forced_mean_accept_length(bare_pair, shape, mean_len):
+    """Usage and metrics count the forced acceptance; KV stays balanced (strict checks).
+    A tree accepts along its first-child chain, which random drafts keep 3 deep here."""
+    steps, topk, tokens = SHAPES[shape]
+    target, _, eagle3 = bare_pair
+    knobs = BenchKnobs(dummy_weights=True, force_accept_len=mean_len)
+    engine = knob_engine(target, knobs, eagle3, "EAGLE3", steps, topk, tokens)
+    try:
+        results = greedy_and_sampled(engine, random_prompts(8, 300, seed=3), max_tokens=40)
+        verifies = sum(r[2].usage.spec_verify_steps for r in results)
+        accepted = sum(r[2].usage.spec_accepted_tokens for r in results)
+        assert metric_value(engine, "specd_spec_verify_steps_total") == verifies
+        assert metric_value(engine, "specd_spec_accepted_tokens_total") == accepted
+        band = 0 if mean_len.is_integer() and shape == "chain" else 0.15
+        assert abs((verifies + accepted) / verifies - mean_len) <= band
+        check_leak_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_knobs_are_off_by_default(pair):
+    assert BenchKnobs() == BenchKnobs(dummy_weights=False, force_accept_len=None)
+    with pytest.raises(ValueError, match=">= 1"):
+        BenchKnobs(force_accept_len=0.5)
+    target, eagle, _ = pair
+    prompts = random_prompts(4, 300, seed=5)
+    spec = spec_for_model(
+        target,
+        model={"dtype": "float32"},
+        draft={"path": eagle},
+        speculative={"numSteps": 3, "topk": 1, "numDraftTokens": 4},
+    )
+    engine = Engine(spec, device="cpu")
+    engine.start()
+    assert engine.knobs == BenchKnobs() and engine.spec_decoder.force_accept_len is None
+    check_exact_run(engine, prompts, hf_greedy(target, prompts, 12), 12)
+
+
+# -- the GPU benchmark, on CPU ----------------------------------------------------------------
+def test_bench_gpu_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/bench_gpu.py", "--shape", "tiny", "--device", "cpu"]
+    cmd += ["--batch", "1", "2", "--new-tokens", "8", "--backends", "torch", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["errors"] == {}
+    assert [(r["backend"], r["batch"]) for r in report["rows"]] == [("torch", 1), ("torch", 2)]
+    for row in report["rows"]:
+        assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0 and row["speedup"] > 0
+        assert row["accept_len"] == 4.0  # steps 3, forced 4: every draft accepted
+        assert row["plain"]["accept_len"] is None
+    assert [g["backend"] for g in report["goals"]] == ["torch"]
+    assert report["floor_ms"] > 0 and report["weight_bytes"] > 0
+    assert "floor" in done.stdout and "| torch | 2 |" in done.stdout
