@@ -28,6 +28,7 @@ CASES = [
     (triton_ops, "_verify_mask_kernel", "*u8 *i64 *u8 i32 i32", dict(BLOCK=1024)),
     (triton_ops, "_gather_row_slots_kernel", "*i64 i32 *i64 *i64 *i64 *i64 *i64", dict(R=2, E=3, BLOCK=1024)),
     (triton_ops, "_gather_row_slots_kernel", "*i32 i64 *i64 *i64 *i64 *i64 *i64", dict(R=1, E=0, BLOCK=256)),
+    (triton_ops, "_gather_row_slots_kernel", "*i64 i32 *i64 *i64 *i64 *i64 *i32", dict(R=2, E=4, BLOCK=1024)),
     (triton_ops, "_move_kv_kernel", "*i16 *i64 *i64 i32 i64 i32 i32", dict(BLOCK=1024)),  # bf16, > 2^31
     (triton_ops, "_move_kv_kernel", "*u8 *i64 *i64 i32 i32 i32 i32", dict(BLOCK=16)),  # fp8
     (triton_ops, "_write_req_to_token_kernel", "*i64 i32 *i64 *i64 *i64 *i64", dict(BLOCK=1024)),

@@ -17,7 +17,9 @@ import torch
 from specd.kernels import available_backends
 from specd.workers.config import ConfigError
 from specd.workers.testing import (
+    DEMO_MODELS,
     check_exact_run,
+    demo_prompts,
     metric_value,
     random_prompts,
     run_all,
@@ -48,6 +50,7 @@ def check_backend_run(engine, backend, prompts, expected):
 
 def run_case(pair, backend, case, expected, prompts, **extra):
     target, eagle, eagle3 = pair
+    extra.setdefault("cudaGraph", {"enabled": case["graphs"]})
     if case["spec"] is None:
         engine = start_engine(
             target,
@@ -74,23 +77,26 @@ def run_case(pair, backend, case, expected, prompts, **extra):
     check_backend_run(engine, backend, prompts, expected)
 
 
-def case(page, spec=None, marks=()):
-    """spec: (steps, topk, algorithm, overlap) or None for plain decode."""
+def case(page, spec=None, graphs=True, marks=()):
+    """spec: (steps, topk, algorithm, overlap) or None for plain decode; graphs: CUDA
+    graphs (on CPU: the same padded graph batches, run eagerly)."""
     name = f"page{page}-" + ("plain" if spec is None else "S{}-k{}-{}-{}".format(*spec))
     name = name.replace("-True", "-overlap").replace("-False", "-sync")
-    return pytest.param({"page": page, "spec": spec}, id=name, marks=marks)
+    name += "" if graphs else "-nographs"
+    return pytest.param({"page": page, "spec": spec, "graphs": graphs}, id=name, marks=marks)
 
 
 # -- Triton through its interpreter (CPU) ------------------------------------------------
 
 INTERPRETER_CASES = [
-    case(16),
-    case(1, (3, 1, "EAGLE", True)),
-    case(4, (3, 4, "EAGLE", False)),  # the paged tree layout (seed 002)
+    case(16, graphs=False),
+    case(1, (3, 1, "EAGLE", True), graphs=False),
+    case(4, (3, 4, "EAGLE", False)),  # the paged tree layout (seed 002), graph batches
     case(16, (3, 4, "EAGLE3", True), marks=pytest.mark.slow),
-    case(1, (5, 4, "EAGLE", False), marks=pytest.mark.slow),
+    case(1, (5, 4, "EAGLE", False), graphs=False, marks=pytest.mark.slow),
     case(16, (1, 1, "EAGLE", False), marks=pytest.mark.slow),
     case(4, (5, 1, "EAGLE3", True), marks=pytest.mark.slow),
+    case(4, (3, 4, "EAGLE", True), graphs=False, marks=pytest.mark.slow),
 ]
 
 
@@ -105,6 +111,92 @@ def cpu_reference(pair):
 def test_triton_in_the_interpreter_is_lossless(pair, cpu_reference, case):
     prompts, expected = cpu_reference
     run_case(pair, "triton", case, expected, prompts)
+
+
+def graph_engine(target, device="cpu", **extra):
+    """A plain engine on the Triton backend whose decode batches of up to 4 requests run in
+    graph buckets (1, 2, 4): captured on CUDA, eagerly on the same buffers elsewhere."""
+    return start_engine(
+        target,
+        device=device,
+        kvCache={"pageSize": 4, "maxTokens": 4096},
+        attentionBackend="triton",
+        cudaGraph={"maxBatchSize": 4},
+        debug={"strictMemCheck": 1},
+        **extra,
+    )
+
+
+def check_graph_runs(engine, prompts, expected, mode):
+    """3 requests (bucket 4, one pad row), then 1 and 4 (``check_exact_run``): outputs
+    exact, every decode step replayed, and the pad row wrote only to the pad slot."""
+    status = engine.status()["cuda_graphs"]
+    assert (status["mode"], status["sizes"]) == (mode, [1, 2, 4])
+    three = run_all(engine, prompts[:3], max_tokens=MAX_NEW, ignore_eos=True)
+    assert [r[0] for r in three] == expected[:3]
+    assert engine.graphs.bucket(4).out_loc.tolist()[3] == engine.kv_pool.pad_slot
+    replays = engine.graphs.replays
+    assert replays >= MAX_NEW - 1  # every decode step of the three
+    check_exact_run(engine, prompts, expected, MAX_NEW)
+    assert engine.graphs.replays >= replays + 2 * (MAX_NEW - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests below cover CUDA")
+def test_decode_graph_buckets_are_exact_in_the_interpreter(pair, cpu_reference):
+    prompts, expected = cpu_reference
+    check_graph_runs(graph_engine(pair[0]), prompts, expected, "eager")
+
+
+DEMO_CHAIN = {"numSteps": 4, "topk": 1, "numDraftTokens": 5}
+DEMO_TREE = {"numSteps": 3, "topk": 4, "numDraftTokens": 8}
+
+
+def demo_run(graphs, speculative, page, device="cpu", dtype="float32", backend="triton"):
+    """The shipped trained pair (real acceptance) on Python source: outputs, each
+    request's (verify steps, accepted drafts), and the graph status."""
+    engine = start_engine(
+        str(DEMO_MODELS / "demo-target"),
+        device=device,
+        model={"dtype": dtype},
+        attentionBackend=backend,
+        kvCache={"pageSize": page, "maxTokens": 4096},
+        draft={"path": str(DEMO_MODELS / "demo-eagle")},
+        speculative=speculative,
+        cudaGraph={"enabled": graphs, "maxBatchSize": 4},
+        debug={"strictMemCheck": 1},
+    )
+    try:
+        results = run_all(engine, demo_prompts(3), max_tokens=20, ignore_eos=True)
+        status = engine.status()
+    finally:
+        engine.shutdown()
+    assert status["leak_check_failures"] == 0
+    usage = [(r[2].usage.spec_verify_steps, r[2].usage.spec_accepted_tokens) for r in results]
+    return [r[0] for r in results], usage, status["cuda_graphs"]
+
+
+def check_graphs_draft_like_eager(speculative, page, mode, **device):
+    """Graph batches (padded, static buffers, in-graph KV gathers) give the same tokens
+    and the same acceptance as eager steps, and every step part ran in a graph."""
+    eager_out, eager_usage, off = demo_run(False, speculative, page, **device)
+    graph_out, graph_usage, graphs = demo_run(True, speculative, page, **device)
+    assert off["mode"] == "off" and graphs["mode"] == mode
+    assert all(n > 0 for n in graphs["replays"].values()), graphs
+    assert graph_out == eager_out
+    assert graph_usage == eager_usage
+    assert sum(accepted for _, accepted in eager_usage) > 20  # the trained draft at work
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests below cover CUDA")
+@pytest.mark.parametrize(
+    "speculative,page",
+    [
+        pytest.param(DEMO_CHAIN, 1, id="chain"),
+        pytest.param(DEMO_TREE, 16, id="paged-tree", marks=pytest.mark.slow),
+    ],
+)
+def test_graph_batches_draft_like_eager_ones_in_the_interpreter(speculative, page):
+    check_graphs_draft_like_eager(speculative, page, "eager")
 
 
 def test_engine_refuses_a_backend_that_cannot_run_here(pair):
@@ -135,13 +227,14 @@ GPU_MATRIX = (
         for steps in (1, 3, 5)
         for overlap in (False, True)
     ]
-    + [case(page) for page in (1, 16)]
+    + [case(page, graphs=graphs) for page in (1, 16) for graphs in (True, False)]
     + [
         case(page, (3, topk, "EAGLE3", overlap))
         for page in (1, 16)
         for topk in (1, 4)
         for overlap in (False, True)
     ]
+    + [case(page, (3, 4, "EAGLE", True), graphs=False) for page in (1, 16)]
 )
 
 
@@ -168,6 +261,27 @@ def test_cuda_backend_is_lossless(pair, gpu_reference, backend, case):
     if getattr(torch, dtype) not in caps.dtypes:
         pytest.skip(f"{backend} does not compute in {dtype}")
     run_case(pair, backend, case, expected, prompts, device="cuda", model={"dtype": dtype})
+
+
+@pytest.mark.gpu
+def test_decode_graphs_are_captured_and_exact(pair, gpu_reference):
+    dtype, prompts, expected = gpu_reference
+    engine = graph_engine(pair[0], device="cuda", model={"dtype": dtype})
+    check_graph_runs(engine, prompts[:4], expected[:4], "captured")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+@pytest.mark.parametrize("speculative,page", [(DEMO_CHAIN, 1), (DEMO_TREE, 16)])
+def test_captured_speculative_graphs_draft_like_eager_steps(backend, speculative, page):
+    check_graphs_draft_like_eager(
+        speculative,
+        page,
+        "captured",
+        device="cuda",
+        dtype="bfloat16",
+        backend=cuda_backend(backend),
+    )
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from specd.kernels.ops import TORCH_OPS, get_ops
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.speculative.decoder import draft_step_reads, grow_ancestors
+from specd.workers.speculative.draft_loop import draft_step_reads, grow_ancestors
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.tree import (
     DraftTree,

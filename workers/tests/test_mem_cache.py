@@ -103,6 +103,8 @@ def test_double_free_is_refused():
         alloc.free(pages[:1])
 
 
-def test_req_to_token_is_int64_table():
-    pool = ReqToTokenPool(2, 8)
-    assert pool.req_to_token.dtype == torch.int64 and pool.req_to_token.shape == (2, 8)
+def test_req_to_token_is_int64_table_with_a_pad_row():
+    pool = ReqToTokenPool(2, 8, pad_slot=99)
+    assert pool.req_to_token.dtype == torch.int64 and pool.req_to_token.shape == (3, 8)
+    assert pool.pad_row == 2 and pool.req_to_token[2].tolist() == [99] * 8
+    assert sorted(pool.alloc() for _ in range(2)) == [0, 1] and pool.alloc() is None

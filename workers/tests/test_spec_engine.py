@@ -3,8 +3,6 @@ sampling distribution, fault toggles, metrics and KV accounting."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -20,6 +18,7 @@ from specd.workers.testing import (
     DEMO_MODELS,
     check_exact_run,
     check_small_pool_run,
+    demo_prompts,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -240,15 +239,6 @@ def test_backend_without_paged_tree_is_refused():
 
 
 # -- the shipped demo pair: real acceptance, so the seeds' bugs show ------------------
-
-
-def demo_prompts(n=4, length=48):
-    """Python source like the demo's training text (the draft accepts a lot on it)."""
-    import json as json_module
-
-    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    ids = tok.encode(inspect.getsource(json_module.decoder)).ids
-    return [ids[i * 97 : i * 97 + length] for i in range(n)]
 
 
 def demo_engine(**spec):

@@ -14,6 +14,8 @@ per-branch draft layouts included (seed 002), with no layout of its own.
   it runs there once and every later layer of the batch reuses it.  A wrapper serves
   one planned batch at a time; a plan whose wrapper was re-planned for another batch
   plans it again.
+* CUDA-graph batches (``graph_plan``) get wrappers of their own in flashinfer's graph
+  mode, on fixed buffers; ``update_graph_plan`` plans them (host side) before a replay.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import flashinfer
 import torch
 
-from specd.kernels.metadata import AttentionMetadata
+from specd.kernels.metadata import AttentionMetadata, GraphShape
 from specd.kernels.registry import BackendCapabilities, register_backend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch
@@ -35,13 +37,22 @@ _plan_ids = itertools.count()
 class FlashInferPlan:
     """One batch: host index arrays (flashinfer plans from host copies, no sync)."""
 
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None: a graph batch planned from its lengths alone
     decode: bool  # every request a single causal query: the decode wrapper
     qo_indptr: torch.Tensor  # [bs + 1] int32, host
     kv_indptr: torch.Tensor  # [bs + 1] int32, host
     kv_indices: torch.Tensor  # [sum(kv_len)] int32, on device
     last_page_len: torch.Tensor  # [bs] int32, host: all 1 (page size 1)
     plan_id: int = field(default_factory=lambda: next(_plan_ids))
+
+
+@dataclass(slots=True)
+class FlashInferGraphPlan:
+    """A graph-mode wrapper on fixed buffers, for batches of one ``GraphShape``."""
+
+    shape: GraphShape
+    wrapper: object
+    kv_indices: torch.Tensor  # the wrapper's page-index buffer (int32)
 
 
 def _host_indptr(lens: tuple[int, ...]) -> torch.Tensor:
@@ -57,6 +68,7 @@ def _host_indptr(lens: tuple[int, ...]) -> torch.Tensor:
         supports_custom_mask=True,
         supports_paged_tree=True,
         dtypes=(torch.bfloat16, torch.float16),
+        supports_graphs=True,
     )
 )
 class FlashInferAttentionBackend:
@@ -76,8 +88,77 @@ class FlashInferAttentionBackend:
             last_page_len=torch.ones(meta.batch_size, dtype=torch.int32),
         )
 
-    def forward(self, q, k_buffer, v_buffer, plan: FlashInferPlan, scale: float):
+    def graph_plan(self, shape: GraphShape, device: torch.device) -> FlashInferGraphPlan:
+        bs = shape.batch_size
+        buffers = dict(
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(
+                bs * shape.max_kv_len, dtype=torch.int32, device=device
+            ),
+            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=device),
+        )
+        workspace = self._workspace_on(device)
+        if shape.qo_len == 1 and not shape.custom_mask:
+            group = shape.num_qo_heads // shape.num_kv_heads
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=group >= 4, **buffers
+            )
+            return FlashInferGraphPlan(shape, wrapper, buffers["paged_kv_indices_buffer"])
+        mask_bytes = bs * (shape.qo_len * shape.max_kv_len // 8 + 1)  # bits, per-request padded
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            paged_kv_indptr_buf=buffers["paged_kv_indptr_buffer"],
+            paged_kv_indices_buf=buffers["paged_kv_indices_buffer"],
+            paged_kv_last_page_len_buf=buffers["paged_kv_last_page_len_buffer"],
+            custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=device)
+            if shape.custom_mask
+            else None,
+            mask_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=device)
+            if shape.custom_mask
+            else None,
+        )
+        return FlashInferGraphPlan(shape, wrapper, buffers["paged_kv_indices_buffer"])
+
+    def update_graph_plan(self, plan: FlashInferGraphPlan, meta: AttentionMetadata) -> None:
+        """Plan the graph's wrapper for a batch padded to its shape (``pad_metadata``)."""
+        self._plan_graph_wrapper(plan, self.plan(meta))
+
+    def update_graph_plan_lens(
+        self, plan: FlashInferGraphPlan, qo_lens: list[int], kv_lens: list[int]
+    ) -> None:
+        """Plan for a padded causal batch whose page indices the graph writes itself (into
+        ``graph_kv_indices``): the planner copies the buffer onto itself."""
+        qo_indptr, kv_indptr = _host_indptr(tuple(qo_lens)), _host_indptr(tuple(kv_lens))
+        eager = FlashInferPlan(
+            meta=None,
+            decode=all(q == 1 for q in qo_lens),
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=plan.kv_indices[: int(kv_indptr[-1])],
+            last_page_len=torch.ones(len(qo_lens), dtype=torch.int32),
+        )
+        self._plan_graph_wrapper(plan, eager)
+
+    @staticmethod
+    def graph_kv_indices(plan: FlashInferGraphPlan) -> torch.Tensor:
+        return plan.kv_indices
+
+    def _plan_graph_wrapper(self, plan: FlashInferGraphPlan, eager: FlashInferPlan) -> None:
+        shape = plan.shape
+        q = torch.empty(0, shape.num_qo_heads, shape.head_dim, dtype=shape.dtype)
+        k = torch.empty(0, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
+        planner = self._plan_decode if eager.decode else self._plan_prefill
+        planner(plan.wrapper, eager, q, k, shape.head_dim**-0.5)
+
+    def forward(self, q, k_buffer, v_buffer, plan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V through ``plan`` (page size 1)."""
+        if isinstance(plan, FlashInferGraphPlan):
+            if abs(scale - plan.shape.head_dim**-0.5) > 1e-12:
+                raise ValueError("flashinfer graph plans use the softmax scale head_dim**-0.5")
+            return plan.wrapper.run(q, (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)))
         wrapper = self._planned_wrapper(plan, q, k_buffer, scale)
         kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # NHD pages of one token
         return wrapper.run(q, kv)
@@ -94,9 +175,13 @@ class FlashInferAttentionBackend:
             self._planned[kind] = key
         return wrapper
 
-    def _wrapper(self, kind: str, device: torch.device, group: int):
+    def _workspace_on(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _wrapper(self, kind: str, device: torch.device, group: int):
+        self._workspace_on(device)
         if kind not in self._wrappers:
             if kind == "decode":  # tensor cores pay off once a kv head serves >= 4 q heads
                 self._wrappers[kind] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -119,9 +204,10 @@ class FlashInferAttentionBackend:
     @staticmethod
     def _plan_prefill(wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
         heads = (q.shape[1], k_buffer.shape[1], q.shape[2], 1)
+        mask = plan.meta.custom_mask if plan.meta is not None else None
         wrapper.plan(
             plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, *heads,
-            custom_mask=plan.meta.custom_mask, causal=plan.meta.custom_mask is None,
+            custom_mask=mask, causal=mask is None,
             **_dtypes_and_scale(q, k_buffer, scale),
         )  # fmt: skip
 

@@ -95,3 +95,41 @@ def build_metadata_from_slots(
     return metadata_from_indices(
         torch.cat(slot_lists).to(torch.int64), qo_lens, kv_lens, custom_mask
     )
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """What a CUDA-graph batch of one model looks like, fixed when it is captured: exactly
+    ``batch_size`` requests of ``qo_len`` queries each (1: decode, T: verify), each reading
+    at most ``max_kv_len`` KV slots, with or without a custom mask; and the model's heads
+    (flashinfer plans with them before the first layer runs)."""
+
+    batch_size: int
+    qo_len: int
+    max_kv_len: int
+    custom_mask: bool
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def pad_metadata(meta: AttentionMetadata, shape: GraphShape, pad_slot: int) -> AttentionMetadata:
+    """``meta`` (every request with ``shape.qo_len`` queries) grown to ``shape.batch_size``
+    requests: each pad request reads ``qo_len`` copies of ``pad_slot`` (a slot no request
+    owns, where the pad queries' own K/V go), fully visible; its output is never read."""
+    pad = shape.batch_size - meta.batch_size
+    q = shape.qo_len
+    if pad < 0 or any(n != q for n in meta.qo_lens):
+        raise ValueError(
+            f"a graph batch of {shape.batch_size} x {q} queries cannot hold "
+            f"{meta.batch_size} requests of {sorted(set(meta.qo_lens))} queries"
+        )
+    if any(n > shape.max_kv_len for n in meta.kv_lens):
+        raise ValueError(f"a request reads {max(meta.kv_lens)} > {shape.max_kv_len} KV slots")
+    device = meta.kv_indices.device
+    indices = torch.cat([meta.kv_indices, torch.full((pad * q,), pad_slot, device=device)])
+    mask = meta.custom_mask
+    if mask is not None:
+        mask = torch.cat([mask, torch.ones(pad * q * q, dtype=torch.bool, device=device)])
+    return metadata_from_indices(indices, [q] * shape.batch_size, meta.kv_lens + (q,) * pad, mask)

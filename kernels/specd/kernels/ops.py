@@ -89,6 +89,22 @@ class KernelOps(Protocol):
         """
         ...
 
+    def gather_row_slots_into(
+        self,
+        out: torch.Tensor,
+        indptr: torch.Tensor,
+        req_to_token: torch.Tensor,
+        rows: torch.Tensor,
+        ranges: torch.Tensor,
+        extras: torch.Tensor,
+        max_len: int,
+    ) -> None:
+        """``gather_row_slots`` written into ``out`` (int64 or int32) at the device offsets
+        ``indptr`` [n + 1], no group longer than ``max_len``: a launch shape fixed by
+        ``max_len`` alone, so a CUDA graph can capture it (Triton; the torch version reads
+        ``indptr`` back)."""
+        ...
+
     def move_kv(self, planes: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For every plane, ``planes[:, dst[i]] = planes[:, src[i]]``, i in order.
 
@@ -200,6 +216,12 @@ class TorchOps:
             from_extra = torch.zeros_like(local)
         pos = torch.where(in_range, from_range, from_extra)
         return req_to_token[rows[group], pos].long()
+
+    def gather_row_slots_into(self, out, indptr, req_to_token, rows, ranges, extras, max_len):
+        starts = indptr.tolist()
+        lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        got = self.gather_row_slots(req_to_token, rows, ranges, extras, lens)
+        out[starts[0] : starts[0] + got.numel()] = got.to(out.dtype)
 
     def move_kv(self, planes, src, dst):
         if src.numel():

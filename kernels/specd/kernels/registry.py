@@ -32,6 +32,7 @@ class BackendCapabilities:
     supports_custom_mask: bool
     supports_paged_tree: bool  # page_size > 1 together with topk > 1
     dtypes: tuple[torch.dtype, ...] = ALL_DTYPES  # KV / query dtypes it computes in
+    supports_graphs: bool = False  # graph_plan / update_graph_plan (CUDA-graph batches)
 
 
 class AttentionBackend(Protocol):
@@ -52,6 +53,11 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+    # Backends with ``supports_graphs`` also have:
+    #   graph_plan(shape: GraphShape, device) -> plan   static buffers for that shape
+    #   update_graph_plan(plan, meta) -> None          copy a padded batch's metadata in
+    # so a captured forward reads each replay's batch from the same memory.
 
 
 _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {}

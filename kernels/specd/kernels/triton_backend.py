@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from specd.kernels.metadata import AttentionMetadata
+from specd.kernels.metadata import AttentionMetadata, GraphShape
+from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.kernels.registry import BackendCapabilities, register_backend
 from specd.kernels.triton_attention import decode_attention, extend_attention
 
@@ -77,9 +78,11 @@ class TritonAttentionPlan:
 def _mask_indptr(meta: AttentionMetadata) -> torch.Tensor:
     """[bs + 1] offsets of each request's [qo_len, kv_len] block in the flat custom mask."""
     sizes = [q * k for q, k in zip(meta.qo_lens, meta.kv_lens, strict=True)]
-    out = torch.zeros(len(sizes) + 1, dtype=torch.int64)
-    out[1:] = torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0)
-    return out.to(meta.qo_indptr.device)
+    return host_tensor(exclusive_cumsum(sizes), meta.qo_indptr.device)
+
+
+def _is_decode(qo_len: int, custom_mask: bool) -> bool:
+    return qo_len == 1 and not custom_mask
 
 
 @register_backend(
@@ -88,6 +91,7 @@ def _mask_indptr(meta: AttentionMetadata) -> torch.Tensor:
         devices=triton_devices(),
         supports_custom_mask=True,
         supports_paged_tree=True,
+        supports_graphs=True,
     )
 )
 class TritonAttentionBackend:
@@ -97,8 +101,8 @@ class TritonAttentionBackend:
         self.num_splits = num_splits  # fixed decode split count; None: choose per batch
 
     def plan(self, meta: AttentionMetadata) -> TritonAttentionPlan:
-        is_decode = (
-            meta.custom_mask is None and meta.batch_size > 0 and all(q == 1 for q in meta.qo_lens)
+        is_decode = meta.batch_size > 0 and all(
+            _is_decode(q, meta.custom_mask is not None) for q in meta.qo_lens
         )
         common = dict(
             qo_indptr=meta.qo_indptr.to(torch.int64),
@@ -118,6 +122,53 @@ class TritonAttentionBackend:
             mask_indptr=_mask_indptr(meta),
             **common,
         )
+
+    def graph_plan(self, shape: GraphShape, device: torch.device) -> TritonAttentionPlan:
+        """Static buffers for batches of ``shape`` (see ``update_graph_plan``): the kernel,
+        its grid and the decode split count are fixed by the shape, not by a batch."""
+        bs, q = shape.batch_size, shape.qo_len
+
+        def zeros(n: int, dtype=torch.int64) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        common = dict(
+            qo_indptr=zeros(bs + 1),
+            kv_indptr=zeros(bs + 1),
+            kv_indices=zeros(bs * shape.max_kv_len),
+            max_qo_len=q,
+        )
+        if _is_decode(q, shape.custom_mask):
+            splits = self.num_splits or choose_num_splits(bs, shape.max_kv_len)
+            return TritonAttentionPlan(Kernel.DECODE, decode=DecodeScratch(bs, splits), **common)
+        if not shape.custom_mask:
+            return TritonAttentionPlan(Kernel.EXTEND, **common)
+        mask = zeros(bs * q * shape.max_kv_len, torch.uint8)
+        return TritonAttentionPlan(
+            Kernel.EXTEND, custom_mask=mask, mask_indptr=zeros(bs + 1), **common
+        )
+
+    def update_graph_plan(self, plan: TritonAttentionPlan, meta: AttentionMetadata) -> None:
+        """Copy a batch padded to the plan's shape (``pad_metadata``) into its buffers."""
+        plan.qo_indptr.copy_(meta.qo_indptr)
+        plan.kv_indptr.copy_(meta.kv_indptr)
+        plan.kv_indices[: meta.kv_indices.numel()].copy_(meta.kv_indices)
+        if plan.custom_mask is not None:
+            mask = meta.custom_mask.to(torch.bool).view(torch.uint8)
+            plan.custom_mask[: mask.numel()].copy_(mask)
+            plan.mask_indptr.copy_(_mask_indptr(meta))
+
+    def update_graph_plan_lens(
+        self, plan: TritonAttentionPlan, qo_lens: list[int], kv_lens: list[int]
+    ) -> None:
+        """Only the lengths of a padded causal batch: its ``kv_indices`` are written on the
+        device, inside the graph, into ``graph_kv_indices(plan)``."""
+        device = plan.qo_indptr.device
+        plan.qo_indptr.copy_(host_tensor(exclusive_cumsum(qo_lens), device))
+        plan.kv_indptr.copy_(host_tensor(exclusive_cumsum(kv_lens), device))
+
+    @staticmethod
+    def graph_kv_indices(plan: TritonAttentionPlan) -> torch.Tensor:
+        return plan.kv_indices
 
     def forward(self, q, k_buffer, v_buffer, plan: TritonAttentionPlan, scale: float):
         """q [N, H, D] -> [N, H, D]; launches only (no host syncs)."""

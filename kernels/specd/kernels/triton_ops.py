@@ -132,7 +132,7 @@ def _gather_row_slots_kernel(
     ranges_ptr,  # [n, R, 2] int64
     extras_ptr,  # [n, E] int64
     indptr_ptr,  # [n + 1] int64 output offsets
-    out_ptr,  # [sum(kv_lens)] int64 out
+    out_ptr,  # [sum(kv_lens)] out: int64 (or int32, flashinfer's page indices)
     R: tl.constexpr,
     E: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -156,7 +156,7 @@ def _gather_row_slots_kernel(
     valid = at < length
     row = tl.load(rows_ptr + g)
     slot = tl.load(table_ptr + row * row_stride + pos, mask=valid, other=0)
-    tl.store(out_ptr + out_start + at, slot.to(tl.int64), mask=valid)
+    tl.store(out_ptr + out_start + at, slot.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -281,26 +281,39 @@ class TritonOps:
         return out.view(torch.bool)
 
     def gather_row_slots(self, req_to_token, rows, ranges, extras, kv_lens):
-        _check_unit_last_stride("req_to_token", req_to_token)
         indptr = exclusive_cumsum(kv_lens)
         out = torch.empty(indptr[-1], dtype=torch.int64, device=req_to_token.device)
         if indptr[-1]:
-            block = min(_BLOCK, _pow2(max(kv_lens)))
-            launch(
-                _gather_row_slots_kernel,
-                (len(kv_lens), triton.cdiv(max(kv_lens), block)),
-                req_to_token,
-                req_to_token.stride(0),
-                _long(rows),
-                _long(ranges),
-                _long(extras),
-                host_tensor(indptr, req_to_token.device),
+            self.gather_row_slots_into(
                 out,
-                R=ranges.shape[1],
-                E=extras.shape[1],
-                BLOCK=block,
+                host_tensor(indptr, req_to_token.device),
+                req_to_token,
+                rows,
+                ranges,
+                extras,
+                max(kv_lens),
             )
         return out
+
+    def gather_row_slots_into(self, out, indptr, req_to_token, rows, ranges, extras, max_len):
+        _check_unit_last_stride("req_to_token", req_to_token)
+        if not rows.numel() or not max_len:
+            return
+        block = min(_BLOCK, _pow2(max_len))
+        launch(
+            _gather_row_slots_kernel,
+            (rows.numel(), triton.cdiv(max_len, block)),
+            req_to_token,
+            req_to_token.stride(0),
+            _long(rows),
+            _long(ranges),
+            _long(extras),
+            _long(indptr),
+            out,
+            R=ranges.shape[1],
+            E=extras.shape[1],
+            BLOCK=block,
+        )
 
     def move_kv(self, planes, src, dst):
         _check_unit_last_stride("planes", planes)

@@ -273,6 +273,15 @@ class SchedulerSpec(_Spec):
     overlap: bool = Field(False, description="Prepare step N+1 while step N runs")
 
 
+class CudaGraphSpec(_Spec):
+    enabled: bool = Field(
+        True, description="Replay decode and speculative steps as CUDA graphs (CUDA backends)"
+    )
+    max_batch_size: int = Field(
+        32, ge=1, le=1024, description="Largest batch captured; larger batches run eagerly"
+    )
+
+
 class ResourcesSpec(_Spec):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
@@ -320,6 +329,7 @@ class DeploymentSpec(_Spec):
     speculative: SpeculativeSpec | None = None
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     attention_backend: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
+    cuda_graph: CudaGraphSpec = Field(default_factory=CudaGraphSpec)
     replicas: int = Field(1, ge=0, le=1024)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     max_running_requests: int = Field(64, ge=1, le=4096)

@@ -119,6 +119,18 @@ def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
     return False
 
 
+def demo_prompts(n=4, length=48):
+    """Python source like the demo's training text (the shipped draft accepts a lot on it)."""
+    import inspect
+    import json.decoder
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    ids = tok.encode(inspect.getsource(json.decoder)).ids
+    return [ids[i * 97 : i * 97 + length] for i in range(n)]
+
+
 def hf_greedy(model_path, prompts, max_new_tokens):
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     outs = []

@@ -29,6 +29,7 @@ from specd.kernels.ops import ops_for_backend
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
+from specd.workers.engine.graph_runner import GraphRunner, default_sizes
 from specd.workers.engine.model_runner import ModelRunner
 from specd.workers.engine.types import (
     FinishReason,
@@ -61,6 +62,8 @@ from specd.workers.scheduler.sessions import SessionStore, TurnSettling
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import KVWriteOutOfBounds, SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.rung import PLAIN
+from specd.workers.speculative.step_graphs import SpecGraphs
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +225,8 @@ class Engine:
             )
             self.draft_head = DraftHead(draft, draft_config)
         self._build_memory()
+        self.graphs: GraphRunner | SpecGraphs | None = None
+        self.graphs_off = self._enable_graphs()
         self.sessions = SessionStore(
             self.kv,
             enabled=spec.sessions.enabled,
@@ -265,6 +270,7 @@ class Engine:
             spec.max_running_requests + sessions,  # idle sessions keep their row
             row_width(self.context_length, self.spec_shape, page),
             self.device,
+            pad_slot=num_pages * page,  # the KV pools' pad slot (one past the allocator's)
         )
         try:
             backend_name = resolve_backend_name(spec.attention_backend, self.device.type, dtype)
@@ -309,6 +315,31 @@ class Engine:
                 force_accept_len=self.knobs.force_accept_len,
             )
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
+
+    def _enable_graphs(self) -> str | None:
+        """CUDA graphs for the steps that have them, where the spec and the backend allow
+        (captured on CUDA; without it the same padded batches run eagerly).  -> why not."""
+        cfg = self.spec.cuda_graph
+        if not cfg.enabled:
+            return "spec.cudaGraph.enabled is false"
+        if not available_backends()[self.backend_name].supports_graphs:
+            return f"the {self.backend_name} backend has no graph plans"
+        sizes = default_sizes(min(cfg.max_batch_size, self.spec.max_running_requests))
+        if self.spec_decoder is None:
+            self.graphs = self.runner.enable_decode_graphs(sizes, self.req_pool.width)
+        else:
+            rungs = list(self.spec.speculative.ladder)
+            if self.spec.speculative.policy.max_batch_for_spec is not None:
+                rungs.append(PLAIN)  # large batches run the plain rung
+            self.graphs = SpecGraphs(self.spec_decoder, rungs, sizes)
+            self.spec_decoder.graphs = self.graphs
+        self.graphs.capture()
+        return None
+
+    def _graph_status(self) -> dict:
+        if self.graphs is None:
+            return {"mode": "off", "reason": self.graphs_off}
+        return self.graphs.status()
 
     # -- public API (any thread / event loop) --------------------------------
     def validate(self, req: GenerateRequest) -> None:
@@ -808,6 +839,7 @@ class Engine:
             "device": self.device.type,
             "attention_backend": self.backend_name,
             "kernel_ops": self.kv.ops.name,
+            "cuda_graphs": self._graph_status(),
             "running": len(s.running),
             "queued": len(s.waiting),
             "queued_tokens": queued_tokens,

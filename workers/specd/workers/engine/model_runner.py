@@ -1,11 +1,20 @@
-"""Turns a ScheduledBatch into tensors, runs the model and samples next tokens."""
+"""Turns a ScheduledBatch into tensors, runs the model and samples next tokens.
+
+Decode batches (one token per request) of a plain engine replay a CUDA graph of the
+model forward when ``enable_decode_graphs`` was called (``engine/graph_runner.py``).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_metadata
+from specd.kernels.metadata import GraphShape, pad_metadata
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.engine.graph_runner import GraphRunner
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -40,6 +49,33 @@ def extend_layout(
     return positions, out_loc, meta
 
 
+@dataclass(slots=True)
+class DecodeBucket:
+    """The static buffers of one decode batch size (see ``GraphRunner``)."""
+
+    shape: GraphShape
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    out_loc: torch.Tensor  # [B] pool slots; pad rows: the pool's pad slot
+    plan: Any  # the attention backend's graph plan
+
+
+def model_graph_shape(
+    config, batch_size: int, qo_len: int, max_kv_len: int, custom_mask: bool, dtype
+) -> GraphShape:
+    """The ``GraphShape`` of a Llama-family ``config`` for batches of this form."""
+    return GraphShape(
+        batch_size,
+        qo_len,
+        max_kv_len,
+        custom_mask,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype,
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -52,10 +88,37 @@ class ModelRunner:
     ):
         self.model = model
         self.ops = ops
+        self.decode_graphs: GraphRunner[DecodeBucket] | None = None
         self.req_pool = req_pool
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = device
+
+    def enable_decode_graphs(self, sizes: list[int], max_kv_len: int) -> GraphRunner:
+        """Run decode batches of up to ``max(sizes)`` requests through graphs (the backend
+        must have ``supports_graphs``); call ``capture()`` on the result to record them."""
+        dtype = next(self.model.parameters()).dtype
+
+        def bucket(size: int) -> DecodeBucket:
+            def zeros() -> torch.Tensor:
+                return torch.zeros(size, dtype=torch.int64, device=self.device)
+
+            shape = model_graph_shape(self.model.config, size, 1, max_kv_len, False, dtype)
+            return DecodeBucket(
+                shape,
+                input_ids=zeros(),
+                positions=zeros(),
+                out_loc=zeros() + self.kv_pool.pad_slot,
+                plan=self.backend.graph_plan(shape, self.device),
+            )
+
+        self.decode_graphs = GraphRunner(bucket, self._decode_body, sizes, self.device)
+        return self.decode_graphs
+
+    def _decode_body(self, b: DecodeBucket) -> torch.Tensor:
+        """Model forward of one token per row -> logits [B, vocab] float32 (captured)."""
+        ctx = ForwardContext(b.plan, b.out_loc, self.kv_pool, self.backend)
+        return self.model.compute_logits(self.model(b.input_ids, b.positions, ctx))
 
     @torch.inference_mode()
     def run(
@@ -75,7 +138,11 @@ class ModelRunner:
             for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True)
             for t in req.fill_ids[start : start + n]
         ]
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
+        input_ids = host_tensor(ids, self.device)  # [num_tokens]
+        graph_size = self._decode_graph_size(batch, capture_layers)
+        if graph_size is not None:
+            logits = self._replay_decode(graph_size, input_ids, positions, out_cache_loc, meta)
+            return RunnerOutput(tuple(sample_next_tokens(logits, batch.sampled_reqs)))
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -91,3 +158,25 @@ class ModelRunner:
         if capture_layers is None:
             return RunnerOutput(tokens)
         return RunnerOutput(tokens, hidden=hidden, aux=aux)
+
+    def _decode_graph_size(
+        self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None
+    ) -> int | None:
+        """The graph batch size a pure decode batch of a plain engine replays in, if any."""
+        if self.decode_graphs is None or capture_layers is not None:
+            return None
+        if not all(n == 1 for n in batch.extend_lens) or not all(batch.sample):
+            return None
+        return self.decode_graphs.size_for(len(batch.reqs))
+
+    def _replay_decode(self, size, input_ids, positions, out_loc, meta) -> torch.Tensor:
+        """Fill the bucket of ``size`` (pad rows write to the pad slot), replay -> logits
+        [bs, vocab] of the real rows."""
+        b = self.decode_graphs.bucket(size)
+        bs = input_ids.numel()
+        b.input_ids[:bs].copy_(input_ids)
+        b.positions[:bs].copy_(positions)
+        b.out_loc[:bs].copy_(out_loc)
+        b.out_loc[bs:].fill_(self.kv_pool.pad_slot)
+        self.backend.update_graph_plan(b.plan, pad_metadata(meta, b.shape, self.kv_pool.pad_slot))
+        return self.decode_graphs.run(size)[:bs]

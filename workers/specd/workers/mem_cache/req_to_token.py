@@ -1,4 +1,8 @@
-"""The request-row pool: ``req_to_token[row, position] -> token-pool slot``."""
+"""The request-row pool: ``req_to_token[row, position] -> token-pool slot``.
+
+One row past the pool's, ``pad_row``, is never handed out: every entry maps to the KV
+pool's pad slot, so the pad requests of graph batches read and write only that slot.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,14 @@ import torch
 
 
 class ReqToTokenPool:
-    def __init__(self, num_rows: int, width: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self, num_rows: int, width: int, device: torch.device | str = "cpu", pad_slot: int = 0
+    ):
         self.num_rows = num_rows
         self.width = width
-        self.req_to_token = torch.zeros(num_rows, width, dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(num_rows + 1, width, dtype=torch.int64, device=device)
+        self.pad_row = num_rows
+        self.req_to_token[self.pad_row] = pad_slot
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     @property

@@ -25,13 +25,11 @@ positions as the target's.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from specd.kernels import AttentionBackend, AttentionMetadata
-from specd.kernels.metadata import metadata_from_indices
+from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.model_runner import extend_layout
 from specd.workers.engine.sampling import filtered_probs, request_generator
@@ -41,67 +39,18 @@ from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.draft_loop import DraftInputs, DraftLoop
 from specd.workers.speculative.forced_accept import forced_accept
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.seq_lens import SeqLens
-from specd.workers.speculative.tree import (
-    DraftTree,
-    StepOut,
-    build_tree,
-    expand_step,
-    first_step,
-    tree_attention_mask_for_verify,
-)
+from specd.workers.speculative.tree import DraftTree, build_tree, tree_attention_mask_for_verify
 from specd.workers.speculative.verify import (
     VerifyResult,
     accepted_path_positions,
     verify_greedy,
     verify_sampling,
 )
-
-
-def grow_ancestors(
-    ancestors: torch.Tensor, parents: torch.Tensor, own: torch.Tensor
-) -> torch.Tensor:
-    """The draft-KV row positions the nodes of the next draft step read after the prefix.
-
-    ancestors [bs, k, s-1]: the previous step's lists; parents [bs, k]: each node's parent
-    among the previous step's nodes (unused at s = 1: step-0 nodes hang off the root,
-    which has no draft KV); own [bs, k]: where this step writes each node.  -> [bs, k, s]
-    (own position last), gathered on the device so drafting needs no host sync.
-    """
-    bs, k, depth = ancestors.shape
-    if depth:
-        ancestors = ancestors.gather(1, parents[:, :, None].expand(-1, -1, depth))
-    return torch.cat([ancestors, own[:, :, None]], 2)
-
-
-def draft_step_reads(
-    ops: KernelOps,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    roots: list[int],
-    ancestors: torch.Tensor,
-    layout: TreeLayout,
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(metadata, out_loc) of one draft step's bs*k one-token queries: node j of request b
-    reads its branch's prefix (``layout.prefix_ranges``), then ``ancestors[b, j]`` (its
-    ancestors' draft rows and its own, last: where it writes).  rows [bs]: request rows."""
-    bs, k, s = ancestors.shape
-    ranges = [layout.prefix_ranges(root, j) for root in roots for j in range(k)]
-    kv_lens = [sum(b - a for a, b in r) + s for r in ranges]
-    node_rows = rows.repeat_interleave(k)  # [bs*k]
-    flat_ranges = [x for r in ranges for a_b in r for x in a_b]
-    kv_indices = ops.gather_row_slots(
-        req_to_token,
-        node_rows,
-        host_tensor(flat_ranges, rows.device).view(bs * k, -1, 2),
-        ancestors.view(bs * k, s),
-        kv_lens,
-    )
-    out_loc = req_to_token[node_rows, ancestors[:, :, -1].flatten()]
-    return metadata_from_indices(kv_indices, [1] * (bs * k), kv_lens), out_loc
 
 
 class KVWriteOutOfBounds(RuntimeError):
@@ -158,6 +107,8 @@ class SpecDecoder:
         self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
+        self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
+        self.graphs = None  # SpecGraphs once the engine enables CUDA graphs
 
     def layout_for(self, rung: Rung) -> TreeLayout:
         """The draft-tree placement of ``rung`` (one per rung, built on first use)."""
@@ -182,7 +133,7 @@ class SpecDecoder:
     ) -> None:
         """Draft rows for the positions a target extend just filled; a request whose
         prompt is now complete (``complete``) starts drafting from its sampled token."""
-        outputs = self._draft_extend(reqs, starts, token_ids, features)
+        outputs = self._draft_extend([r.kv.row for r in reqs], starts, token_ids, features)
         for req, start, ids, done, (feats, hidden) in zip(
             reqs, starts, token_ids, complete, outputs, strict=True
         ):
@@ -191,7 +142,7 @@ class SpecDecoder:
 
     def _draft_extend(
         self,
-        reqs: list[Req],
+        rows: list[int],
         starts: list[int],
         token_ids: list[list[int]],
         features: list[torch.Tensor],
@@ -202,21 +153,17 @@ class SpecDecoder:
         token_ids[i]: the tokens one position ahead (``fill_ids[p + 1]``); features[i]:
         [n, H] target features at those positions.
         """
-        if not reqs:
+        if not rows:
             return []
         lens = [len(t) for t in token_ids]
         positions, out_loc, meta = extend_layout(
-            self.req_pool.req_to_token, [r.kv.row for r in reqs], starts, lens, ops=self.ops
+            self.req_pool.req_to_token, rows, starts, lens, ops=self.ops
         )
-        ids = torch.tensor([t for ts in token_ids for t in ts], device=self.device)
-        next_feats, logit_hidden = self.head.forward(
-            ids, torch.cat(features), positions, self._draft_ctx(meta, out_loc)
-        )
+        ids = host_tensor([t for ts in token_ids for t in ts], self.device)
+        ctx = ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
+        next_feats, logit_hidden = self.head.forward(ids, torch.cat(features), positions, ctx)
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
         return [(next_feats[e], logit_hidden[e]) for e in ends]
-
-    def _draft_ctx(self, meta, out_loc: torch.Tensor) -> ForwardContext:
-        return ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
 
     # -- one decode step -----------------------------------------------------
     @torch.inference_mode()
@@ -227,20 +174,21 @@ class SpecDecoder:
         from the new states without the host."""
         states = [self.states[r.rid] for r in reqs]
         roots = [s.root_position for s in states]
+        rows = [r.kv.row for r in reqs]
         layout = self.layout_for(rung)
         self._check_writes_inside_allocation(reqs, roots, granted_lens, layout, rung)
         guesses = None
         if rung.speculates:
-            self._duplicate_prefix_tails(reqs, roots, layout)
-            tree = self._draft_tree(reqs, states, layout, rung.draft_tokens)
+            self._duplicate_prefix_tails(rows, roots, layout)
+            tree = self._draft_tree(rows, states, layout, rung)
         else:
             guesses = self._draft_guesses(states)
             tree = build_tree(self._root_tokens(states), [], 1, self.ops)
-        hidden, aux = self._verify_forward(reqs, roots, tree)
+        hidden, features = self._verify_forward(rows, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
         result = self._accept(reqs, tree, logits)
-        self._move_accepted_kv(reqs, roots, result)
-        features = self.head.features(hidden, aux).view(len(reqs), tree.num_tokens, -1)
+        self._move_accepted_kv(rows, roots, result)
+        features = features.view(len(reqs), tree.num_tokens, -1)
         seq_lens = SeqLens(roots, self.device)  # tokens before each root
         seq_lens.advance(result.num_new_tokens)
         seq_lens.refresh_seq_lens_cpu(sync=True)  # the step's one length sync (seed 001)
@@ -248,11 +196,9 @@ class SpecDecoder:
         new_roots = seq_lens.host()
         n_new = [new - old for new, old in zip(new_roots, roots, strict=True)]
         tokens = [t[:n] for t, n in zip(result.accepted_tokens.tolist(), n_new, strict=True)]
-        index = result.accept_index.tolist()
-        path_features = [
-            features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
-        ]
-        outputs = self._draft_extend(reqs, roots, tokens, path_features)
+        outputs = self._extend_accepted(
+            rung, rows, roots, tokens, features, result.accept_index, n_new
+        )
         for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
             self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
         probes = ()
@@ -263,6 +209,28 @@ class SpecDecoder:
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
             probes=probes,
         )
+
+    def _extend_accepted(
+        self,
+        rung: Rung,
+        rows: list[int],
+        roots: list[int],
+        tokens: list[list[int]],
+        features: torch.Tensor,
+        accept_index: torch.Tensor,
+        n_new: list[int],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The draft re-reads each request's accepted tokens with the target's features
+        at their tree nodes (features [bs, T, H], accept_index [bs, S+1] node indices)."""
+        if self.graphs is not None:
+            got = self.graphs.run_extend(rung, rows, roots, tokens, features, accept_index, n_new)
+            if got is not None:
+                return got
+        index = accept_index.tolist()
+        path_features = [
+            features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
+        ]
+        return self._draft_extend(rows, roots, tokens, path_features)
 
     def _check_writes_inside_allocation(
         self,
@@ -285,12 +253,12 @@ class SpecDecoder:
                 )
 
     def _duplicate_prefix_tails(
-        self, reqs: list[Req], roots: list[int], layout: TreeLayout
+        self, rows: list[int], roots: list[int], layout: TreeLayout
     ) -> None:
         """Paged tree layout: copy each prefix's tail page into branches 1..k-1 (draft KV)."""
         copies = [
-            (req.kv.row, src, dst)
-            for req, root in zip(reqs, roots, strict=True)
+            (row, src, dst)
+            for row, root in zip(rows, roots, strict=True)
             for src, dst in layout.prefix_tail_copies(root)
         ]
         if not copies:
@@ -300,7 +268,7 @@ class SpecDecoder:
         self.ops.move_kv(self.draft_pool.planes, table[rows, src], table[rows, dst])
 
     def _root_tokens(self, states: list[DraftState]) -> torch.Tensor:
-        return torch.tensor([s.root_token for s in states], device=self.device)  # [bs]
+        return host_tensor([s.root_token for s in states], self.device)  # [bs]
 
     def _draft_guesses(self, states: list[DraftState]) -> torch.Tensor:
         """[bs] the draft's top-1 token after each root (target ids): the plain rung's probe."""
@@ -311,69 +279,52 @@ class SpecDecoder:
         return self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
 
     def _draft_tree(
-        self, reqs: list[Req], states: list[DraftState], layout: TreeLayout, num_tokens: int
+        self, rows: list[int], states: list[DraftState], layout: TreeLayout, rung: Rung
     ) -> DraftTree:
-        k = layout.topk
+        """The draft loop (``draft_loop.py``) for these requests: a graph replay when one
+        fits the batch, else eagerly."""
         roots = [s.root_position for s in states]
-        rows = host_tensor([r.kv.row for r in reqs], self.device)  # [bs]
+        root_tokens = [s.root_token for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
-        logprobs = self._root_logprobs(states)
-        steps = [self._to_target(first_step(logprobs, k))]
-        feats = root_feats[:, None, :].expand(-1, k, -1)  # [bs, k, H] inputs of step 1
-        ancestors = torch.zeros(len(reqs), k, 0, dtype=torch.int64, device=self.device)
-        for s in range(1, layout.num_steps):
-            prev = steps[-1]
-            if s > 1:
-                feats = feats.gather(1, prev.parents[:, :, None].expand(-1, -1, feats.shape[-1]))
-            own = host_tensor(layout.node_positions(roots, s), self.device).view(len(reqs), k)
-            ancestors = grow_ancestors(ancestors, prev.parents, own)
-            feats, logit_hidden = self._draft_step(
-                rows, roots, prev.tokens, feats, ancestors, layout
-            )
-            child = self.head.logprobs(logit_hidden.flatten(0, 1)).view(len(reqs), k, -1)
-            steps.append(self._to_target(expand_step(prev, child, k)))
-        return build_tree(self._root_tokens(states), steps, num_tokens, self.ops)
-
-    def _to_target(self, step: StepOut) -> StepOut:
-        return dataclasses.replace(step, tokens=self.head.to_target_ids(step.tokens))
-
-    def _draft_step(
-        self,
-        rows: torch.Tensor,
-        roots: list[int],
-        tokens: torch.Tensor,
-        feats: torch.Tensor,
-        ancestors: torch.Tensor,
-        layout: TreeLayout,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bs*k one-token draft forwards at ``tokens`` [bs, k] (see ``draft_step_reads``)."""
-        bs, k, s = ancestors.shape
-        meta, out_loc = draft_step_reads(
-            self.ops, self.req_pool.req_to_token, rows, roots, ancestors, layout
+        root_hidden = torch.stack([s.logit_hidden for s in states])  # [bs, H]
+        if self.graphs is not None:
+            tree = self.graphs.run_draft(rung, rows, roots, root_tokens, root_feats, root_hidden)
+            if tree is not None:
+                return tree
+        ints, kv_lens = DraftInputs.pack(layout, rows, roots, root_tokens)
+        x = DraftInputs.view(
+            host_tensor(ints, self.device), layout, len(rows), root_feats, root_hidden, kv_lens
         )
-        positions = host_tensor([root + s - 1 for root in roots for _ in range(k)], self.device)
-        next_feats, logit_hidden = self.head.forward(
-            tokens.flatten(), feats.flatten(0, 1), positions, self._draft_ctx(meta, out_loc)
-        )
-        return next_feats.view(bs, k, -1), logit_hidden.view(bs, k, -1)
+        return self.draft_loop.run(x, layout, rung.draft_tokens)
 
     def _verify_forward(
-        self, reqs: list[Req], roots: list[int], tree: DraftTree
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Target over the T nodes of every tree, written at ``[root, root + T)``."""
+        self, rows: list[int], roots: list[int], tree: DraftTree
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target over the T nodes of every tree, written at ``[root, root + T)`` ->
+        (final hidden [bs*T, H], the draft's input features [bs*T, H])."""
         _, out_loc, meta = extend_layout(  # the nodes' RoPE positions are root + depth
             self.req_pool.req_to_token,
-            [r.kv.row for r in reqs],
+            rows,
             roots,
-            [tree.num_tokens] * len(reqs),
+            [tree.num_tokens] * len(rows),
             tree_attention_mask_for_verify(tree, roots, self.ops),
             ops=self.ops,
         )
+        positions = tree.positions(host_tensor(roots, self.device)).flatten()
+        tokens = tree.tokens.flatten()
+        if self.graphs is not None:
+            got = self.graphs.run_verify(tree.num_tokens, tokens, positions, out_loc, meta)
+            if got is not None:
+                return got
         ctx = ForwardContext(self.backend.plan(meta), out_loc, self.target_pool, self.backend)
-        positions = tree.positions(torch.tensor(roots, device=self.device)).flatten()
-        return self.target.forward_with_aux(
-            tree.tokens.flatten(), positions, ctx, self.head.capture_layers
-        )
+        return self.verify_body(tokens, positions, ctx)
+
+    def verify_body(
+        self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target forward of a verify -> (hidden, draft features), device-only."""
+        hidden, aux = self.target.forward_with_aux(tokens, positions, ctx, self.head.capture_layers)
+        return hidden, self.head.features(hidden, aux)
 
     def _accept(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         """Greedy walk when every request is greedy, else tree speculative sampling
@@ -396,15 +347,15 @@ class SpecDecoder:
             coins[b] = torch.rand(tree.num_tokens + 1, generator=gen, device=gen.device)
         return verify_sampling(tree, probs, coins)
 
-    def _move_accepted_kv(self, reqs: list[Req], roots: list[int], result: VerifyResult) -> None:
+    def _move_accepted_kv(self, rows: list[int], roots: list[int], result: VerifyResult) -> None:
         """Make the accepted path's target KV contiguous at ``[root, root + accepted + 1)``
         (every request moves S+1 entries, the unused ones onto themselves: no sync)."""
         src, dst = accepted_path_positions(result).padded()  # [bs, S+1] offsets from root
-        rows = host_tensor([r.kv.row for r in reqs], self.device)[:, None]
-        base = host_tensor(roots, self.device)[:, None]
+        rows_base = host_tensor(rows + roots, self.device).view(2, -1, 1)
+        rows_t, base = rows_base[0], rows_base[1]
         table = self.req_pool.req_to_token
         self.ops.move_kv(
             self.target_pool.planes,
-            table[rows, base + src].flatten(),
-            table[rows, base + dst].flatten(),
+            table[rows_t, base + src].flatten(),
+            table[rows_t, base + dst].flatten(),
         )

@@ -40,6 +40,11 @@ class TreeLayout:
     def paged(self) -> bool:
         return self.page_size > 1 and self.topk > 1
 
+    @property
+    def num_ranges(self) -> int:
+        """How many row ranges a draft query reads as its prefix (``prefix_ranges``)."""
+        return 2 if self.paged else 1
+
     def _region(self, prefix_len: int) -> tuple[int, int, int]:
         """(base, tail, span) of the paged layout for this prefix."""
         tail = prefix_len % self.page_size
