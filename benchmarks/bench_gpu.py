@@ -219,6 +219,7 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
         },
         maxRunningRequests=max_batch,
         attentionBackend=backend,
+        cudaGraph={"enabled": args.graphs == "on", "maxBatchSize": max_batch},
     )
     if draft is not None:
         fields["draft"] = {"path": str(draft), "algorithm": "EAGLE3"}
@@ -300,7 +301,11 @@ def time_engine(args, target: Path, draft: Path | None, backend: str) -> dict[in
     tag = f"{backend}-{'spec' if draft else 'plain'}"
     t0 = time.perf_counter()
     engine = make_engine(args, target, draft, backend)
-    progress(f"[{tag}] engine ready in {time.perf_counter() - t0:.1f} s")
+    graphs = engine.status()["cuda_graphs"]
+    progress(
+        f"[{tag}] engine ready in {time.perf_counter() - t0:.1f} s; CUDA graphs "
+        f"{graphs['mode']} ({graphs.get('reason') or graphs.get('capture_seconds')})"
+    )
     try:
         vocab, timings = engine.model_config.vocab_size, {}
         for batch in args.batch:
@@ -415,6 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--graphs", choices=("on", "off"), default="on", help="spec.cudaGraph.enabled")
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds per timed run")
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
@@ -430,7 +436,7 @@ def header(args, report: dict) -> None:
     print(
         f"# backends {args.backends}; steps {args.steps} topk {args.topk} draft tokens "
         f"{args.draft_tokens}; forced accept len {args.accept_len}; prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, {args.repeats} repeats"
+        f"{args.new_tokens} new tokens, {args.repeats} repeats, CUDA graphs {args.graphs}"
     )
     print(
         f"# memory bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; a decode step "

@@ -196,14 +196,14 @@ class SpecDecoder:
         new_roots = seq_lens.host()
         n_new = [new - old for new, old in zip(new_roots, roots, strict=True)]
         tokens = [t[:n] for t, n in zip(result.accepted_tokens.tolist(), n_new, strict=True)]
+        probes = ()
+        if guesses is not None:  # the bonus is the target's token after the root
+            probes = tuple((guesses == result.bonus_tokens).long().tolist())
         outputs = self._extend_accepted(
             rung, rows, roots, tokens, features, result.accept_index, n_new
         )
         for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
             self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
-        probes = ()
-        if guesses is not None:  # the bonus is the target's token after the root
-            probes = tuple((guesses == result.bonus_tokens).long().tolist())
         return SpecStepOut(
             new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA backends (issue 6), for one CUDA machine, no network needed:
+#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR]
+# Runs the gpu-marked tests (the lossless matrix on every CUDA backend installed, kernels
+# against the torch reference, captured CUDA graphs) and the GPU benchmark (8B shape,
+# batch 1 and 32), and writes their logs and the benchmark's JSON to OUT_DIR
+# (default ./gpu-check).  Packages: specd's dependencies as usual (pip install -e
+# '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
+# stock PyTorch image lacks; flashinfer is optional) installed to a temporary directory.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-all}"
+out="${2:-gpu-check}"
+mkdir -p "$out"
+if [[ -n "${SPECD_WHEELS:-}" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specd-site \
+    "$SPECD_WHEELS"/*.whl || exit
+  export PYTHONPATH="/tmp/specd-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python3 -c 'import specd.workers' 2>/dev/null || export PYTHONPATH="workers:kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' || true; } \
+  2>&1 | tee "$out/env.log"
+if [[ "$what" != bench ]]; then
+  # only the modules with gpu tests: the others import the serving stack (Ray, FastAPI, ...)
+  mapfile -t modules < <(grep -l "mark.gpu" kernels/tests/*.py workers/tests/*.py)
+  python3 -m pytest -m gpu -p no:cacheprovider -q "${modules[@]}" 2>&1 | tee "$out/gpu-tests.log"
+fi
+if [[ "$what" != tests ]]; then
+  python3 benchmarks/bench_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+fi
