@@ -49,6 +49,18 @@ def test_auto_prefers_flashinfer_then_triton(monkeypatch):
     assert resolve_backend_name("auto", "cuda", torch.float32) == "torch"
 
 
+def test_auto_skips_a_backend_without_the_paged_tree_when_the_spec_needs_it(monkeypatch):
+    monkeypatch.setitem(
+        registry._CAPABILITIES,
+        "flashinfer",
+        BackendCapabilities("flashinfer", ("cuda",), True, False, (torch.bfloat16,)),
+    )
+    monkeypatch.setitem(registry._FACTORIES, "flashinfer", TorchAttentionBackend)
+    fake_backend(monkeypatch, "triton", ("cuda",))
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16, paged_tree=True) == "triton"
+
+
 def test_a_dtype_the_backend_cannot_compute_in_names_the_field(monkeypatch):
     fake_backend(monkeypatch, "half-only", dtypes=(torch.bfloat16,))
     assert resolve_backend_name("half-only", "cpu", torch.bfloat16) == "half-only"

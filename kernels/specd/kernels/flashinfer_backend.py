@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import flashinfer
 import torch
 
-from specd.kernels.metadata import AttentionMetadata, GraphShape
+from specd.kernels.metadata import AttentionMetadata, GraphBuffers, GraphShape
 from specd.kernels.registry import BackendCapabilities, register_backend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch
@@ -88,39 +88,55 @@ class FlashInferAttentionBackend:
             last_page_len=torch.ones(meta.batch_size, dtype=torch.int32),
         )
 
-    def graph_plan(self, shape: GraphShape, device: torch.device) -> FlashInferGraphPlan:
+    @staticmethod
+    def graph_buffer_needs(shape: GraphShape) -> dict[str, tuple[int, torch.dtype]]:
+        """The shared buffers (``GraphBuffers``) a plan of ``shape`` takes views of: page
+        indices, and the custom mask as flashinfer packs it (bits, each request's padded
+        to a byte)."""
         bs = shape.batch_size
-        buffers = dict(
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(
-                bs * shape.max_kv_len, dtype=torch.int32, device=device
-            ),
-            paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=device),
-        )
+        needs = {"kv_indices": (bs * shape.max_kv_len, torch.int32)}
+        if shape.custom_mask:
+            needs["custom_mask"] = (bs * (shape.qo_len * shape.max_kv_len // 8 + 1), torch.uint8)
+        return needs
+
+    def graph_plan(
+        self, shape: GraphShape, device: torch.device, buffers: GraphBuffers
+    ) -> FlashInferGraphPlan:
+        bs = shape.batch_size
+        needs = self.graph_buffer_needs(shape)
+        kv_indices = buffers.view("kv_indices", needs["kv_indices"][0])
+        indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        last_page_len = torch.ones(bs, dtype=torch.int32, device=device)
         workspace = self._workspace_on(device)
         if shape.qo_len == 1 and not shape.custom_mask:
             group = shape.num_qo_heads // shape.num_kv_heads
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=group >= 4, **buffers
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=group >= 4,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=last_page_len,
             )
-            return FlashInferGraphPlan(shape, wrapper, buffers["paged_kv_indices_buffer"])
-        mask_bytes = bs * (shape.qo_len * shape.max_kv_len // 8 + 1)  # bits, per-request padded
+            return FlashInferGraphPlan(shape, wrapper, kv_indices)
+        masked = shape.custom_mask
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             workspace,
             "NHD",
             use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=device),
-            paged_kv_indptr_buf=buffers["paged_kv_indptr_buffer"],
-            paged_kv_indices_buf=buffers["paged_kv_indices_buffer"],
-            paged_kv_last_page_len_buf=buffers["paged_kv_last_page_len_buffer"],
-            custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=device)
-            if shape.custom_mask
+            paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=kv_indices,
+            paged_kv_last_page_len_buf=last_page_len,
+            custom_mask_buf=buffers.view("custom_mask", needs["custom_mask"][0])
+            if masked
             else None,
             mask_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=device)
-            if shape.custom_mask
+            if masked
             else None,
         )
-        return FlashInferGraphPlan(shape, wrapper, buffers["paged_kv_indices_buffer"])
+        return FlashInferGraphPlan(shape, wrapper, kv_indices)
 
     def update_graph_plan(self, plan: FlashInferGraphPlan, meta: AttentionMetadata) -> None:
         """Plan the graph's wrapper for a batch padded to its shape (``pad_metadata``)."""

@@ -13,7 +13,7 @@ row-major, concatenated) the mask is taken as given: this is how tree verify wor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,3 +133,31 @@ def pad_metadata(meta: AttentionMetadata, shape: GraphShape, pad_slot: int) -> A
     if mask is not None:
         mask = torch.cat([mask, torch.ones(pad * q * q, dtype=torch.bool, device=device)])
     return metadata_from_indices(indices, [q] * shape.batch_size, meta.kv_lens + (q,) * pad, mask)
+
+
+class GraphBuffers:
+    """The large static buffers of an engine's graph plans (KV indices, masks), shared by
+    all of them: graphs replay one at a time, and each replay's metadata is written right
+    before it in stream order, so one storage per buffer, sized for the largest need,
+    serves every plan through prefix views.
+
+    needs: one ``backend.graph_buffer_needs(shape)`` per shape the engine captures.
+    """
+
+    def __init__(self, needs: Iterable[dict[str, tuple[int, torch.dtype]]], device):
+        largest: dict[str, tuple[int, torch.dtype]] = {}
+        for need in needs:
+            for name, (numel, dtype) in need.items():
+                largest[name] = (max(numel, largest.get(name, (0, dtype))[0]), dtype)
+        self._store = {
+            name: torch.zeros(numel, dtype=dtype, device=device)
+            for name, (numel, dtype) in largest.items()
+        }
+
+    def view(self, name: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of the shared buffer ``name``."""
+        return self._store[name][:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._store.values())

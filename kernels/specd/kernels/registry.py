@@ -54,9 +54,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
-    # Backends with ``supports_graphs`` also have:
-    #   graph_plan(shape: GraphShape, device) -> plan   static buffers for that shape
-    #   update_graph_plan(plan, meta) -> None          copy a padded batch's metadata in
+    # Backends with ``supports_graphs`` also have (see metadata.GraphShape, GraphBuffers):
+    #   graph_buffer_needs(shape) -> {name: (numel, dtype)}   shared buffers it views
+    #   graph_plan(shape, device, buffers) -> plan          static buffers for that shape
+    #   update_graph_plan(plan, meta)                        copy a padded batch's metadata
+    #   update_graph_plan_lens(plan, qo_lens, kv_lens)       lengths only ...
+    #   graph_kv_indices(plan) -> Tensor                     ... the graph writes the indices
     # so a captured forward reads each replay's batch from the same memory.
 
 
@@ -98,23 +101,31 @@ def available_backends() -> dict[str, BackendCapabilities]:
     return dict(_CAPABILITIES)
 
 
-def _pick_auto(device: str, dtype: torch.dtype | None) -> str:
+def _pick_auto(device: str, dtype: torch.dtype | None, paged_tree: bool) -> str:
     backends = available_backends()
     if device != "cuda":
         return "torch"
     for name in CUDA_PREFERENCE:
         caps = backends.get(name)
-        if caps and device in caps.devices and (dtype is None or dtype in caps.dtypes):
+        if (
+            caps
+            and device in caps.devices
+            and (dtype is None or dtype in caps.dtypes)
+            and (caps.supports_paged_tree or not paged_tree)
+        ):
             return name
     return "torch"
 
 
-def resolve_backend_name(name: str, device: str, dtype: torch.dtype | None = None) -> str:
-    """Map ``auto`` to a concrete backend for ``device`` (and the model's ``dtype``) and
-    check the backend is installed and runs there."""
+def resolve_backend_name(
+    name: str, device: str, dtype: torch.dtype | None = None, paged_tree: bool = False
+) -> str:
+    """Map ``auto`` to a concrete backend for ``device`` (the model's ``dtype``, and the
+    paged tree layout when the spec needs it) and check the backend is installed and
+    runs there."""
     backends = available_backends()
     if name == "auto":
-        return _pick_auto(device, dtype)
+        return _pick_auto(device, dtype, paged_tree)
     if name not in backends:
         why = f" ({_MISSING[name]})" if name in _MISSING else ""
         raise ValueError(

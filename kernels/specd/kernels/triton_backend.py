@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from specd.kernels.metadata import AttentionMetadata, GraphShape
+from specd.kernels.metadata import AttentionMetadata, GraphBuffers, GraphShape
 from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.kernels.registry import BackendCapabilities, register_backend
 from specd.kernels.triton_attention import decode_attention, extend_attention
@@ -123,18 +123,26 @@ class TritonAttentionBackend:
             **common,
         )
 
-    def graph_plan(self, shape: GraphShape, device: torch.device) -> TritonAttentionPlan:
+    @staticmethod
+    def graph_buffer_needs(shape: GraphShape) -> dict[str, tuple[int, torch.dtype]]:
+        """The shared buffers (``GraphBuffers``) a plan of ``shape`` takes views of."""
+        kv = shape.batch_size * shape.max_kv_len
+        needs = {"kv_indices": (kv, torch.int64)}
+        if shape.custom_mask:
+            needs["custom_mask"] = (kv * shape.qo_len, torch.uint8)
+        return needs
+
+    def graph_plan(
+        self, shape: GraphShape, device: torch.device, buffers: GraphBuffers
+    ) -> TritonAttentionPlan:
         """Static buffers for batches of ``shape`` (see ``update_graph_plan``): the kernel,
         its grid and the decode split count are fixed by the shape, not by a batch."""
         bs, q = shape.batch_size, shape.qo_len
-
-        def zeros(n: int, dtype=torch.int64) -> torch.Tensor:
-            return torch.zeros(n, dtype=dtype, device=device)
-
+        needs = self.graph_buffer_needs(shape)
         common = dict(
-            qo_indptr=zeros(bs + 1),
-            kv_indptr=zeros(bs + 1),
-            kv_indices=zeros(bs * shape.max_kv_len),
+            qo_indptr=torch.zeros(bs + 1, dtype=torch.int64, device=device),
+            kv_indptr=torch.zeros(bs + 1, dtype=torch.int64, device=device),
+            kv_indices=buffers.view("kv_indices", needs["kv_indices"][0]),
             max_qo_len=q,
         )
         if _is_decode(q, shape.custom_mask):
@@ -142,9 +150,11 @@ class TritonAttentionBackend:
             return TritonAttentionPlan(Kernel.DECODE, decode=DecodeScratch(bs, splits), **common)
         if not shape.custom_mask:
             return TritonAttentionPlan(Kernel.EXTEND, **common)
-        mask = zeros(bs * q * shape.max_kv_len, torch.uint8)
         return TritonAttentionPlan(
-            Kernel.EXTEND, custom_mask=mask, mask_indptr=zeros(bs + 1), **common
+            Kernel.EXTEND,
+            custom_mask=buffers.view("custom_mask", needs["custom_mask"][0]),
+            mask_indptr=torch.zeros(bs + 1, dtype=torch.int64, device=device),
+            **common,
         )
 
     def update_graph_plan(self, plan: TritonAttentionPlan, meta: AttentionMetadata) -> None:

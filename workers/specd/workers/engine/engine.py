@@ -273,7 +273,10 @@ class Engine:
             pad_slot=num_pages * page,  # the KV pools' pad slot (one past the allocator's)
         )
         try:
-            backend_name = resolve_backend_name(spec.attention_backend, self.device.type, dtype)
+            paged_tree = self.spec_shape is not None and page > 1 and self.spec_shape.topk > 1
+            backend_name = resolve_backend_name(
+                spec.attention_backend, self.device.type, dtype, paged_tree
+            )
         except ValueError as err:
             raise ConfigError(str(err)) from err
         check_backend_supports_layout(backend_name, self.spec_shape, page)

@@ -54,6 +54,7 @@ class GraphRunner(Generic[B]):
     body: Callable[[B], Any]
     sizes: Sequence[int]
     device: torch.device
+    buffer_bytes: int = 0  # static buffers the buckets share (reported in status)
     capture_seconds: float = 0.0
     replays: int = 0  # batches run through a bucket (captured or eager)
     _captured: dict[int, _Captured[B]] = field(default_factory=dict)
@@ -72,9 +73,13 @@ class GraphRunner(Generic[B]):
         """True when bodies replay as CUDA graphs (else they run eagerly)."""
         return self.device.type == "cuda"
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, sharing one memory pool (a no-op without
-        CUDA).  The body runs eagerly first, so kernels compile outside the capture."""
+        CUDA).  The body runs eagerly first, so kernels compile and lazily made scratch
+        buffers exist outside the capture.  Bodies run under inference mode, as the
+        engine's eager steps do; other threads may use CUDA meanwhile (thread-local
+        capture errors)."""
         if not self.captures:
             return
         start = time.perf_counter()
@@ -89,7 +94,9 @@ class GraphRunner(Generic[B]):
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             entry.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry.graph, pool=pool, stream=stream):
+            with torch.cuda.graph(
+                entry.graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 entry.outputs = self.body(entry.bucket)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -103,6 +110,8 @@ class GraphRunner(Generic[B]):
         return {
             "mode": "captured" if self.captures else "eager",
             "sizes": list(self.sizes),
+            "graphs": len(self.sizes),
+            "buffer_bytes": self.buffer_bytes,
             "capture_seconds": round(self.capture_seconds, 3),
             "replays": self.replays,
         }

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_metadata
-from specd.kernels.metadata import GraphShape, pad_metadata
+from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
 from specd.workers.engine.sampling import sample_next_tokens
@@ -98,21 +98,31 @@ class ModelRunner:
         """Run decode batches of up to ``max(sizes)`` requests through graphs (the backend
         must have ``supports_graphs``); call ``capture()`` on the result to record them."""
         dtype = next(self.model.parameters()).dtype
+        shapes = {
+            size: model_graph_shape(self.model.config, size, 1, max_kv_len, False, dtype)
+            for size in sizes
+        }
+        needs = [self.backend.graph_buffer_needs(shape) for shape in shapes.values()]
+        buffers = GraphBuffers(needs, self.device)
 
         def bucket(size: int) -> DecodeBucket:
-            def zeros() -> torch.Tensor:
-                return torch.zeros(size, dtype=torch.int64, device=self.device)
-
-            shape = model_graph_shape(self.model.config, size, 1, max_kv_len, False, dtype)
-            return DecodeBucket(
-                shape,
-                input_ids=zeros(),
-                positions=zeros(),
-                out_loc=zeros() + self.kv_pool.pad_slot,
-                plan=self.backend.graph_plan(shape, self.device),
+            zeros = torch.zeros(3, size, dtype=torch.int64, device=self.device)
+            b = DecodeBucket(
+                shapes[size],
+                input_ids=zeros[0],
+                positions=zeros[1],
+                out_loc=zeros[2] + self.kv_pool.pad_slot,
+                plan=self.backend.graph_plan(shapes[size], self.device, buffers),
             )
+            empty = zeros[0, :0]
+            nothing = metadata_from_indices(empty, [], [])  # an all-pad batch to capture
+            pad = self.kv_pool.pad_slot
+            self.backend.update_graph_plan(b.plan, pad_metadata(nothing, b.shape, pad))
+            return b
 
-        self.decode_graphs = GraphRunner(bucket, self._decode_body, sizes, self.device)
+        self.decode_graphs = GraphRunner(
+            bucket, self._decode_body, sizes, self.device, buffer_bytes=buffers.nbytes
+        )
         return self.decode_graphs
 
     def _decode_body(self, b: DecodeBucket) -> torch.Tensor:

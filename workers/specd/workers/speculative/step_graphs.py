@@ -29,6 +29,7 @@ import torch
 
 from specd.kernels.metadata import (
     AttentionMetadata,
+    GraphBuffers,
     GraphShape,
     build_attention_metadata,
     metadata_from_indices,
@@ -75,6 +76,7 @@ class SpecGraphs:
         self.pad_row = decoder.req_pool.pad_row
         self.pad_slot = decoder.target_pool.pad_slot
         self.dtype = next(decoder.target.parameters()).dtype
+        self.buffers = self._shared_buffers(rungs, sizes)
         graph = partial(GraphRunner, sizes=sizes, device=self.device)
         self.draft = {
             rung: graph(partial(self._draft_bucket, rung), partial(self._draft_body, rung))
@@ -90,6 +92,21 @@ class SpecGraphs:
             for q in sorted({accepted_len_bound(r) for r in rungs})
         }
 
+    def _shared_buffers(self, rungs: Sequence[Rung], sizes: Sequence[int]) -> GraphBuffers:
+        """One set of static index and mask buffers for every graph below."""
+        shapes = [
+            shape
+            for size in sizes
+            for rung in rungs
+            for shape in (
+                self._draft_shape(size * rung.topk, 1, False),
+                self._forward_shape(size, rung.draft_tokens, True),
+                self._forward_shape(size, accepted_len_bound(rung), False),
+            )
+        ]
+        needs = [self.dec.backend.graph_buffer_needs(shape) for shape in shapes]
+        return GraphBuffers(needs, self.device)
+
     def runners(self) -> list[GraphRunner]:
         return [*self.draft.values(), *self.verify.values(), *self.extend.values()]
 
@@ -103,6 +120,7 @@ class SpecGraphs:
             "mode": runners[0].status()["mode"],
             "sizes": list(runners[0].sizes),
             "graphs": sum(len(r.sizes) for r in runners),
+            "buffer_bytes": self.buffers.nbytes,
             "capture_seconds": round(sum(r.capture_seconds for r in runners), 3),
             "replays": {
                 "draft": sum(r.replays for r in self.draft.values()),
@@ -119,7 +137,10 @@ class SpecGraphs:
         feats = torch.zeros(2, size, hidden, dtype=self.dtype, device=self.device)
         inputs = DraftInputs.view(host_tensor(ints, self.device), layout, size, feats[0], feats[1])
         shape = self._draft_shape(size * rung.topk, 1, False)
-        plans = [self.dec.backend.graph_plan(shape, self.device) for _ in range(rung.steps - 1)]
+        plans = [
+            self.dec.backend.graph_plan(shape, self.device, self.buffers)
+            for _ in range(rung.steps - 1)
+        ]
         bucket = DraftBucket(inputs, plans)
         self._fill_draft(bucket, rung, [], [], [], None, None)
         return bucket
@@ -157,14 +178,14 @@ class SpecGraphs:
         """Static buffers of a verify (target, tree mask) or a draft extend (draft, causal)."""
         n = size * qo_len
         config = self.dec.target.config if verify else self.dec.head.config.model
-        shape = model_graph_shape(config, size, qo_len, self.dec.req_pool.width, verify, self.dtype)
+        shape = self._forward_shape(size, qo_len, verify)
         zeros = torch.zeros(3, n, dtype=torch.int64, device=self.device)
         bucket = ForwardBucket(
             shape,
             tokens=zeros[0],
             positions=zeros[1],
             out_loc=zeros[2] + self.pad_slot,
-            plan=self.dec.backend.graph_plan(shape, self.device),
+            plan=self.dec.backend.graph_plan(shape, self.device, self.buffers),
             features=None
             if verify
             else torch.zeros(n, config.hidden_size, dtype=self.dtype, device=self.device),
@@ -243,6 +264,11 @@ class SpecGraphs:
         next_feats, logit_hidden = self.extend[q].run(size)
         last = [i * q + n - 1 for i, n in enumerate(n_new)]
         return [(next_feats[e], logit_hidden[e]) for e in last]
+
+    def _forward_shape(self, size: int, qo_len: int, verify: bool) -> GraphShape:
+        """A verify (the target, tree mask) or a draft extend (the draft, causal)."""
+        config = self.dec.target.config if verify else self.dec.head.config.model
+        return model_graph_shape(config, size, qo_len, self.dec.req_pool.width, verify, self.dtype)
 
     def _draft_shape(self, batch: int, qo_len: int, custom_mask: bool) -> GraphShape:
         config = self.dec.head.config.model
