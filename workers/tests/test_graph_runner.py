@@ -49,6 +49,18 @@ def test_buckets_and_eager_runs_on_cpu():
     assert runner.replays == 2
 
 
+def test_eager_runs_leave_outputs_as_a_replay_does():
+    """Without CUDA a run's outputs are the size's static outputs too: the next run of the
+    same size overwrites them (as a graph replay would), another size does not."""
+    runner = toy_runner("cpu")
+    first = runner.run(runner.size_for(2))
+    runner.bucket(2)[:] = torch.tensor([1.0, 2.0])
+    second = runner.run(2)
+    assert second is first and first.tolist() == [3.0, 5.0]
+    runner.bucket(4)[:] = 10.0
+    assert runner.run(4).tolist() == [21.0] * 4 and first.tolist() == [3.0, 5.0]
+
+
 @pytest.mark.gpu
 def test_capture_replays_the_bucket_it_was_filled_with():
     runner = toy_runner("cuda")

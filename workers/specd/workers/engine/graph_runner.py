@@ -9,8 +9,9 @@ caller fills the bucket's buffers, padding rows up to ``size`` (pad rows write t
 to the pool's pad slot and their outputs are ignored), then ``run`` replays the graph.
 
 Without CUDA (Triton's interpreter in the tests) the same bodies run eagerly on the same
-padded buffers, so the padding and buffer updates are exercised everywhere; only the
-capture itself needs a GPU.
+padded buffers, and their outputs are copied into per-size static outputs as a replay
+leaves them (overwritten by the next run of that size), so padding, buffer updates and
+output lifetimes are exercised everywhere; only the capture itself needs a GPU.
 
     runner = GraphRunner(make_bucket, body, sizes=[1, 2, 4, 8], device)
     runner.capture()                       # once, at start (a no-op without CUDA)
@@ -21,6 +22,7 @@ capture itself needs a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -74,16 +76,16 @@ class GraphRunner(Generic[B]):
         return self.device.type == "cuda"
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool (a no-op without
-        CUDA).  The body runs eagerly first, so kernels compile and lazily made scratch
+    def capture(self, pool: Any = None) -> None:
+        """Capture every size, largest first, sharing one memory pool (``pool``: one shared
+        with other runners; a no-op without CUDA).  The body runs eagerly first, so kernels compile and lazily made scratch
         buffers exist outside the capture.  Bodies run under inference mode, as the
         engine's eager steps do; other threads may use CUDA meanwhile (thread-local
         capture errors)."""
         if not self.captures:
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
             entry = self._captured[size]
@@ -121,10 +123,38 @@ class GraphRunner(Generic[B]):
         return self._captured[size].bucket
 
     def run(self, size: int) -> Any:
-        """Replay the body on the bucket of ``size`` (filled by the caller): its outputs."""
+        """Replay the body on the bucket of ``size`` (filled by the caller): its outputs,
+        which the next replay of the same size overwrites (copy what must outlive it)."""
         entry = self._captured[size]
         self.replays += 1
-        if entry.graph is None:
-            return self.body(entry.bucket)
-        entry.graph.replay()
+        if entry.graph is not None:
+            entry.graph.replay()
+        elif entry.outputs is None:
+            entry.outputs = _clone(self.body(entry.bucket))
+        else:
+            _copy_into(entry.outputs, self.body(entry.bucket))
         return entry.outputs
+
+
+def _clone(out: Any) -> Any:
+    """A copy of a body's outputs (tensors, tuples, dataclasses of tensors and ints)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_clone(x) for x in out)
+    if dataclasses.is_dataclass(out):
+        fields = {f.name: _clone(getattr(out, f.name)) for f in dataclasses.fields(out)}
+        return dataclasses.replace(out, **fields)
+    return out
+
+
+def _copy_into(static: Any, out: Any) -> None:
+    """Write a body's new outputs into the static ones (same structure and shapes)."""
+    if isinstance(static, torch.Tensor):
+        static.copy_(out)
+    elif isinstance(static, tuple):
+        for s, o in zip(static, out, strict=True):
+            _copy_into(s, o)
+    elif dataclasses.is_dataclass(static):
+        for f in dataclasses.fields(static):
+            _copy_into(getattr(static, f.name), getattr(out, f.name))

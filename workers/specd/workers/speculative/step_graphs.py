@@ -13,7 +13,8 @@ batch size and per shape the rungs need.
   inside its allocation, past the new root, where the next step writes before reading).
 
 Pad requests use the request-row pool's pad row and root 0, so everything they read and
-write is the KV pools' pad slot.  A batch larger than the largest size, or a shape no
+write is the KV pools' pad slot.  A replay's outputs live in the graph's memory until the
+same graph replays again: what outlives a step (the draft states) is copied out.  A batch larger than the largest size, or a shape no
 graph was made for, runs eagerly (the caller's fallback).
 """
 
@@ -111,8 +112,11 @@ class SpecGraphs:
         return [*self.draft.values(), *self.verify.values(), *self.extend.values()]
 
     def capture(self) -> None:
+        """Every graph, in one memory pool: they replay one after another, and the outputs
+        a step reads after a later replay (the draft tree) are never freed, so not reused."""
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for runner in self.runners():
-            runner.capture()
+            runner.capture(pool)
 
     def status(self) -> dict:
         runners = self.runners()
@@ -262,8 +266,10 @@ class SpecGraphs:
         b.features[: bs * q].copy_(path.flatten(0, 1))
         self._fill_forward(b, ints[0], ints[2], out_loc, meta)
         next_feats, logit_hidden = self.extend[q].run(size)
-        last = [i * q + n - 1 for i, n in enumerate(n_new)]
-        return [(next_feats[e], logit_hidden[e]) for e in last]
+        last = host_tensor([i * q + n - 1 for i, n in enumerate(n_new)], self.device)
+        # copies: the draft states outlive this replay, the graph's outputs do not
+        feats, hidden = next_feats.index_select(0, last), logit_hidden.index_select(0, last)
+        return list(zip(feats.unbind(0), hidden.unbind(0), strict=True))
 
     def _forward_shape(self, size: int, qo_len: int, verify: bool) -> GraphShape:
         """A verify (the target, tree mask) or a draft extend (the draft, causal)."""
