@@ -53,6 +53,19 @@ from specd.workers.speculative.verify import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class AcceptedPaths:
+    """A verify's accepted paths, as the draft re-reads them: per request its row and root,
+    the tokens appended (accepted drafts, then the bonus), the target's draft features
+    at every tree node [bs, T, H], and the path's node indices [bs, S+1] (PAD-padded)."""
+
+    rows: list[int]
+    roots: list[int]
+    tokens: list[list[int]]
+    features: torch.Tensor
+    accept_index: torch.Tensor
+
+
 class KVWriteOutOfBounds(RuntimeError):
     """A speculative step would write KV outside its request's allocation."""
 
@@ -199,9 +212,8 @@ class SpecDecoder:
         probes = ()
         if guesses is not None:  # the bonus is the target's token after the root
             probes = tuple((guesses == result.bonus_tokens).long().tolist())
-        outputs = self._extend_accepted(
-            rung, rows, roots, tokens, features, result.accept_index, n_new
-        )
+        accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
+        outputs = self._extend_accepted(rung, accepted)
         for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
             self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
         return SpecStepOut(
@@ -211,26 +223,20 @@ class SpecDecoder:
         )
 
     def _extend_accepted(
-        self,
-        rung: Rung,
-        rows: list[int],
-        roots: list[int],
-        tokens: list[list[int]],
-        features: torch.Tensor,
-        accept_index: torch.Tensor,
-        n_new: list[int],
+        self, rung: Rung, accepted: AcceptedPaths
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The draft re-reads each request's accepted tokens with the target's features
-        at their tree nodes (features [bs, T, H], accept_index [bs, S+1] node indices)."""
+        at their tree nodes -> per request, the draft's (features, logit hidden) after them."""
         if self.graphs is not None:
-            got = self.graphs.run_extend(rung, rows, roots, tokens, features, accept_index, n_new)
+            got = self.graphs.run_extend(rung, accepted)
             if got is not None:
                 return got
-        index = accept_index.tolist()
+        index = accepted.accept_index.tolist()
         path_features = [
-            features[b, idx[:n]] for b, (idx, n) in enumerate(zip(index, n_new, strict=True))
+            accepted.features[b, idx[: len(toks)]]
+            for b, (idx, toks) in enumerate(zip(index, accepted.tokens, strict=True))
         ]
-        return self._draft_extend(rows, roots, tokens, path_features)
+        return self._draft_extend(accepted.rows, accepted.roots, accepted.tokens, path_features)
 
     def _check_writes_inside_allocation(
         self,

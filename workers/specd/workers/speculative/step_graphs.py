@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from specd.workers.model.forward_context import ForwardContext
 from specd.workers.speculative.draft_loop import DraftInputs
 from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.tree import DraftTree
+
+if TYPE_CHECKING:  # the decoder holds this module's SpecGraphs
+    from specd.workers.speculative.decoder import AcceptedPaths
 
 
 def accepted_len_bound(rung: Rung) -> int:
@@ -229,17 +232,11 @@ class SpecGraphs:
         return hidden[:n], features[:n]
 
     def run_extend(
-        self,
-        rung: Rung,
-        rows: list[int],
-        roots: list[int],
-        tokens: list[list[int]],
-        features: torch.Tensor,
-        accept_index: torch.Tensor,
-        n_new: list[int],
+        self, rung: Rung, accepted: AcceptedPaths
     ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per request, the draft's (features, logit hidden) after its accepted tokens;
         None when no graph fits."""
+        rows, roots, tokens = accepted.rows, accepted.roots, accepted.tokens
         bs = len(rows)
         q = accepted_len_bound(rung)
         size = self.extend[q].size_for(bs) if q in self.extend else None
@@ -261,12 +258,13 @@ class SpecGraphs:
             [root + q for root in roots],
             ops=self.dec.ops,
         )
-        index = accept_index[:, :q].clamp(min=0)  # [bs, Q] tree nodes (past the path: any)
+        index = accepted.accept_index[:, :q].clamp(min=0)  # [bs, Q] nodes (past the path: any)
+        features = accepted.features
         path = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
         b.features[: bs * q].copy_(path.flatten(0, 1))
         self._fill_forward(b, ints[0], ints[2], out_loc, meta)
         next_feats, logit_hidden = self.extend[q].run(size)
-        last = host_tensor([i * q + n - 1 for i, n in enumerate(n_new)], self.device)
+        last = host_tensor([i * q + len(ts) - 1 for i, ts in enumerate(tokens)], self.device)
         # copies: the draft states outlive this replay, the graph's outputs do not
         feats, hidden = next_feats.index_select(0, last), logit_hidden.index_select(0, last)
         return list(zip(feats.unbind(0), hidden.unbind(0), strict=True))
