@@ -18,6 +18,10 @@ distribution), then the draft extend over it keeps the draft state current.  Its
 step 0 is reduced to a free probe: the draft's top-1 from the stored state, compared
 with the target's token, so the adaptive controller can measure acceptance at rung 0.
 
+The draft loop lives in ``draft_loop.py``; with CUDA graphs enabled (``step_graphs.py``)
+the draft loop, the verify forward and the draft extend replay captured graphs when one
+fits the batch, and run eagerly otherwise.
+
 Draft position ``p`` pairs token ``p + 1`` with the target hidden of position ``p``
 (``model/eagle.py``), so the draft rows of a verify's accepted path sit at the same row
 positions as the target's.
