@@ -17,7 +17,7 @@ from specd.kernels.ops import TORCH_OPS, get_ops
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.speculative.draft_loop import draft_step_reads, grow_ancestors
+from specd.workers.speculative.draft_loop import DraftInputs, grow_ancestors
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.tree import (
     DraftTree,
@@ -151,7 +151,8 @@ def test_verify_mask_is_prefix_then_tree(ops, prefix_lens):
     "page_size,topk", [pytest.param(1, 3, id="flat"), pytest.param(4, 3, id="paged")]
 )
 def test_draft_step_reads_are_prefix_then_ancestors(ops, page_size, topk):
-    """``draft_step_reads`` + ``grow_ancestors`` (device lists) against slot lists built by
+    """The draft loop's reads (``DraftInputs`` ranges and lengths, ``grow_ancestors``'s
+    device lists, gathered eagerly and into a graph's buffer) against slot lists built by
     host loops: each node reads its branch's prefix ranges, then its ancestors' draft
     rows and its own (one per step so far); it writes at its own."""
     gen = torch.Generator().manual_seed(page_size)
@@ -160,7 +161,9 @@ def test_draft_step_reads_are_prefix_then_ancestors(ops, page_size, topk):
     roots = [1, 13, 46]
     bs = len(roots)
     table = torch.randperm(bs * width, generator=gen).view(bs, width).to(DEVICE)
-    rows = torch.arange(bs, device=DEVICE)
+    ints, kv_lens = DraftInputs.pack(layout, list(range(bs)), roots, [0] * bs)
+    x = DraftInputs.view(torch.tensor(ints, device=DEVICE), layout, bs, None, None, kv_lens)
+    node_rows = x.rows.repeat_interleave(topk)
     host_lists: list[list[list[int]]] = [[[] for _ in range(topk)] for _ in roots]
     device_lists = torch.zeros(bs, topk, 0, dtype=torch.long, device=DEVICE)
     for s in range(1, num_steps):
@@ -169,8 +172,7 @@ def test_draft_step_reads_are_prefix_then_ancestors(ops, page_size, topk):
             [anc[p if s > 1 else 0] + [layout.node_position(root, s, j)] for j, p in enumerate(ps)]
             for anc, root, ps in zip(host_lists, roots, parents.tolist(), strict=True)
         ]
-        own = torch.tensor(layout.node_positions(roots, s), device=DEVICE).view(bs, topk)
-        device_lists = grow_ancestors(device_lists, parents.to(DEVICE), own)
+        device_lists = grow_ancestors(device_lists, parents.to(DEVICE), x.own[s - 1])
         slot_lists, writes = [], []
         for b, (root, anc) in enumerate(zip(roots, host_lists, strict=True)):
             for j in range(topk):
@@ -178,10 +180,14 @@ def test_draft_step_reads_are_prefix_then_ancestors(ops, page_size, topk):
                 slot_lists.append(torch.cat([*prefix, table[b, anc[j]]]))
                 writes.append(int(table[b, anc[j][-1]]))
         want = build_metadata_from_slots(slot_lists, [1] * len(slot_lists))
-        meta, out_loc = draft_step_reads(ops, table, rows, roots, device_lists, layout)
-        assert torch.equal(meta.kv_indices, want.kv_indices), s
-        assert meta.kv_lens == want.kv_lens and meta.qo_lens == want.qo_lens
-        assert out_loc.tolist() == writes
+        assert x.kv_lens[s - 1] == list(want.kv_lens), s
+        extras = device_lists.view(bs * topk, s)
+        args = (table, node_rows, x.ranges[s - 1], extras)
+        assert torch.equal(ops.gather_row_slots(*args, x.kv_lens[s - 1]), want.kv_indices), s
+        into = torch.full((bs * topk * width,), -1, dtype=torch.long, device=DEVICE)
+        ops.gather_row_slots_into(into, x.kv_indptr[s - 1], *args, width)
+        assert torch.equal(into[: want.kv_indices.numel()], want.kv_indices), s
+        assert table[node_rows, device_lists[:, :, -1].flatten()].tolist() == writes
 
 
 def test_kv_manager_rows_are_the_page_rule(ops):

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from specd.kernels import AttentionBackend, AttentionMetadata
+from specd.kernels import AttentionBackend
 from specd.kernels.metadata import metadata_from_indices
-from specd.kernels.ops import KernelOps, exclusive_cumsum, host_tensor
+from specd.kernels.ops import KernelOps, exclusive_cumsum
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
@@ -45,33 +45,6 @@ def grow_ancestors(
     if depth:
         ancestors = ancestors.gather(1, parents[:, :, None].expand(-1, -1, depth))
     return torch.cat([ancestors, own[:, :, None]], 2)
-
-
-def draft_step_reads(
-    ops: KernelOps,
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    roots: list[int],
-    ancestors: torch.Tensor,
-    layout: TreeLayout,
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    """(metadata, out_loc) of one draft step's bs*k one-token queries: node j of request b
-    reads its branch's prefix (``layout.prefix_ranges``), then ``ancestors[b, j]`` (its
-    ancestors' draft rows and its own, last: where it writes).  rows [bs]: request rows."""
-    bs, k, s = ancestors.shape
-    ranges = [layout.prefix_ranges(root, j) for root in roots for j in range(k)]
-    kv_lens = [sum(b - a for a, b in r) + s for r in ranges]
-    node_rows = rows.repeat_interleave(k)  # [bs*k]
-    flat_ranges = [x for r in ranges for a_b in r for x in a_b]
-    kv_indices = ops.gather_row_slots(
-        req_to_token,
-        node_rows,
-        host_tensor(flat_ranges, rows.device).view(bs * k, -1, 2),
-        ancestors.view(bs * k, s),
-        kv_lens,
-    )
-    out_loc = req_to_token[node_rows, ancestors[:, :, -1].flatten()]
-    return metadata_from_indices(kv_indices, [1] * (bs * k), kv_lens), out_loc
 
 
 @dataclass(slots=True)

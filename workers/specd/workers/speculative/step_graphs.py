@@ -32,13 +32,12 @@ from specd.kernels.metadata import (
     AttentionMetadata,
     GraphBuffers,
     GraphShape,
-    build_attention_metadata,
     metadata_from_indices,
     pad_metadata,
 )
 from specd.kernels.ops import host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
-from specd.workers.engine.model_runner import model_graph_shape
+from specd.workers.engine.model_runner import extend_layout, model_graph_shape
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.speculative.draft_loop import DraftInputs
 from specd.workers.speculative.rung import Rung
@@ -243,26 +242,15 @@ class SpecGraphs:
         if size is None:
             return None
         b = self.extend[q].bucket(size)
-        positions = [root + j for root in roots for j in range(q)]
-        ints = host_tensor(
-            [t for ts in tokens for t in ts + [0] * (q - len(ts))]
-            + [r for r in rows for _ in range(q)]
-            + positions,
-            self.device,
-        ).view(3, -1)
-        out_loc = self.dec.req_pool.req_to_token[ints[1], ints[2]]
-        meta = build_attention_metadata(
-            self.dec.req_pool.req_to_token,
-            host_tensor(rows, self.device),
-            [q] * bs,
-            [root + q for root in roots],
-            ops=self.dec.ops,
+        positions, out_loc, meta = extend_layout(  # Q positions from each root (past: junk)
+            self.dec.req_pool.req_to_token, rows, roots, [q] * bs, ops=self.dec.ops
         )
+        ids = host_tensor([t for ts in tokens for t in ts + [0] * (q - len(ts))], self.device)
         index = accepted.accept_index[:, :q].clamp(min=0)  # [bs, Q] nodes (past the path: any)
         features = accepted.features
         path = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[-1]))
         b.features[: bs * q].copy_(path.flatten(0, 1))
-        self._fill_forward(b, ints[0], ints[2], out_loc, meta)
+        self._fill_forward(b, ids, positions, out_loc, meta)
         next_feats, logit_hidden = self.extend[q].run(size)
         last = host_tensor([i * q + len(ts) - 1 for i, ts in enumerate(tokens)], self.device)
         # copies: the draft states outlive this replay, the graph's outputs do not
