@@ -1,4 +1,5 @@
-"""The Triton backend against dense attention and the torch backend on scattered paged KV.
+"""The Triton backend against dense attention and the torch backend on scattered paged KV
+(and, on a GPU, every CUDA backend against the torch one).
 
 On CPU the kernels run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1),
 so shapes stay small; bf16 and production shapes are in the GPU class."""
@@ -407,3 +408,71 @@ class TestProductionShapesOnGpu:
         torch.testing.assert_close(
             out, run_torch(q, k_buf, v_buf, meta, 0.1), **TOL[torch.bfloat16]
         )
+
+
+def production_cases(g, heads_dim=128):
+    """(name, qo_lens, slot lists, custom masks or None) at production sizes: long decode
+    at batch 32, prefill mixed with decode, tree verify, and holey per-branch draft reads."""
+    decode = torch.randint(1, 4097, (32,), generator=g).tolist()
+    row = torch.randperm(9000, generator=g)[: 2000 + 8 * 64]
+    holey = branch_slot_lists(row, 2000, 64, 9, 8, extra_ancestors=4, g=g)
+    holey = [s[: len(s) - 9 + j + 1] for s in holey for j in range(9)]  # one node per group
+    return [
+        ("decode-32", [1] * 32, decode, False),
+        ("mixed", [1000, 1, 300, 7], [1000, 2000, 4000, 512], False),
+        ("tree-verify", [64, 8, 16], [1064, 4008, 116], True),
+        ("holey-branches", [1] * len(holey), holey, False),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+@pytest.mark.parametrize("case", ["decode-32", "mixed", "tree-verify", "holey-branches"])
+@pytest.mark.parametrize("graph", [False, True], ids=["plan", "graph-plan"])
+def test_every_cuda_backend_matches_torch_in_bf16(backend, case, graph):
+    """Each CUDA backend against the torch reference, bf16, 32 q / 8 kv heads of 128, on
+    scattered slots (holey per-branch reads included); ``graph``: through a graph plan
+    (padded to 2 more requests than the batch, the pad slot last) replayed in a graph."""
+    from specd.kernels import available_backends, get_backend
+    from specd.kernels.metadata import GraphBuffers, GraphShape, pad_metadata
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
+    g = torch.Generator().manual_seed(7)
+    _, qo_lens, lens_or_lists, masked = next(c for c in production_cases(g) if c[0] == case)
+    num_slots = 20000
+    k_buf, v_buf, g = make_pool(num_slots + 1, 8, 128, torch.bfloat16, 3)
+    slots = (
+        scattered_slots(lens_or_lists, num_slots, g)
+        if isinstance(lens_or_lists[0], int)
+        else [s.to(DEVICE) for s in lens_or_lists]
+    )
+    kv_lens = [len(s) for s in slots]
+    mask = None
+    if masked:
+        mask = torch.cat([m.flatten() for m in random_tree_masks(qo_lens, kv_lens, g)])
+        mask = mask.to(DEVICE)
+    q = torch.randn(sum(qo_lens), 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    meta = build_metadata_from_slots(slots, qo_lens, custom_mask=mask)
+    ref = run_torch(q, k_buf, v_buf, meta, 128**-0.5)
+    impl = get_backend(backend, "cuda", torch.bfloat16)
+    if not graph:
+        out = impl.forward(q, k_buf, v_buf, impl.plan(meta), 128**-0.5)
+        torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+        return
+    if len(set(qo_lens)) != 1:
+        pytest.skip("graph batches have one query count")
+    bs = len(qo_lens) + 2
+    shape = GraphShape(bs, qo_lens[0], max(kv_lens), masked, 32, 8, 128, torch.bfloat16)
+    plan = impl.graph_plan(shape, q.device, GraphBuffers([impl.graph_buffer_needs(shape)], "cuda"))
+    impl.update_graph_plan(plan, pad_metadata(meta, shape, num_slots))
+    q_static = torch.zeros(bs * qo_lens[0], 32, 128, dtype=torch.bfloat16, device=DEVICE)
+    q_static[: q.shape[0]] = q
+    impl.forward(q_static, k_buf, v_buf, plan, 128**-0.5)  # compile outside the capture
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = impl.forward(q_static, k_buf, v_buf, plan, 128**-0.5)
+    cuda_graph.replay()
+    torch.testing.assert_close(out[: q.shape[0]], ref, **TOL[torch.bfloat16])
