@@ -79,7 +79,7 @@ def run_case(pair, backend, case, expected, prompts, **extra):
 
 def case(page, spec=None, graphs=True, marks=()):
     """spec: (steps, topk, algorithm, overlap) or None for plain decode; graphs: CUDA
-    graphs (on CPU: the same padded graph batches, run eagerly)."""
+    graphs (on CPU: the same padded graph batches, in emulated graphs)."""
     name = f"page{page}-" + ("plain" if spec is None else "S{}-k{}-{}-{}".format(*spec))
     name = name.replace("-True", "-overlap").replace("-False", "-sync")
     name += "" if graphs else "-nographs"
@@ -110,12 +110,13 @@ def cpu_reference(pair):
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_triton_in_the_interpreter_is_lossless(pair, cpu_reference, case):
     prompts, expected = cpu_reference
-    run_case(pair, "triton", case, expected, prompts)
+    graphs = {"enabled": case["graphs"], "maxBatchSize": 4}  # 4 prompts: buckets 1, 2, 4
+    run_case(pair, "triton", case, expected, prompts, cudaGraph=graphs)
 
 
 def graph_engine(target, device="cpu", **extra):
     """A plain engine on the Triton backend whose decode batches of up to 4 requests run in
-    graph buckets (1, 2, 4): captured on CUDA, eagerly on the same buffers elsewhere."""
+    graph buckets (1, 2, 4): captured on CUDA, emulated (``EmulatedGraph``) elsewhere."""
     return start_engine(
         target,
         device=device,
@@ -144,7 +145,7 @@ def check_graph_runs(engine, prompts, expected, mode):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests below cover CUDA")
 def test_decode_graph_buckets_are_exact_in_the_interpreter(pair, cpu_reference):
     prompts, expected = cpu_reference
-    check_graph_runs(graph_engine(pair[0]), prompts, expected, "eager")
+    check_graph_runs(graph_engine(pair[0]), prompts, expected, "emulated")
 
 
 DEMO_CHAIN = {"numSteps": 4, "topk": 1, "numDraftTokens": 5}
@@ -196,7 +197,7 @@ def check_graphs_draft_like_eager(speculative, page, mode, **device):
     ],
 )
 def test_graph_batches_draft_like_eager_ones_in_the_interpreter(speculative, page):
-    check_graphs_draft_like_eager(speculative, page, "eager")
+    check_graphs_draft_like_eager(speculative, page, "emulated")
 
 
 def test_engine_refuses_a_backend_that_cannot_run_here(pair):

@@ -1,10 +1,11 @@
-"""GraphRunner: bucket choice, eager runs without CUDA, capture and replay with it."""
+"""GraphRunner: bucket choice, emulated graphs without CUDA, capture and replay with it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from specd.kernels.emulated_graph import GraphCaptureError
 from specd.workers.engine.graph_runner import GraphRunner, default_sizes
 
 
@@ -38,21 +39,24 @@ def run_toy(runner, values):
     return runner.run(size)[: len(values)].tolist()
 
 
-def test_buckets_and_eager_runs_on_cpu():
+def test_buckets_and_emulated_replays_on_cpu():
     runner = toy_runner("cpu")
     assert runner.sizes == [1, 2, 4] and runner.max_batch_size == 4
     assert [runner.size_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
-    runner.capture()  # nothing to capture without CUDA
-    assert not runner.captures and runner.status()["mode"] == "eager"
+    with pytest.raises(RuntimeError, match="before capture"):
+        runner.run(1)
+    runner.capture()
+    assert runner.mode == "emulated" and runner.status()["mode"] == "emulated"
     assert run_toy(runner, [1.0, 2.0, 3.0]) == [3.0, 5.0, 7.0]
     assert run_toy(runner, [5.0]) == [11.0]
     assert runner.replays == 2
 
 
-def test_eager_runs_leave_outputs_as_a_replay_does():
-    """Without CUDA a run's outputs are the size's static outputs too: the next run of the
-    same size overwrites them (as a graph replay would), another size does not."""
+def test_replays_leave_outputs_in_the_captured_tensors():
+    """A run's outputs are the size's static outputs: the next run of the same size
+    overwrites them (as a CUDA graph replay does), another size does not."""
     runner = toy_runner("cpu")
+    runner.capture()
     first = runner.run(runner.size_for(2))
     runner.bucket(2)[:] = torch.tensor([1.0, 2.0])
     second = runner.run(2)
@@ -61,11 +65,37 @@ def test_eager_runs_leave_outputs_as_a_replay_does():
     assert runner.run(4).tolist() == [21.0] * 4 and first.tolist() == [3.0, 5.0]
 
 
+def test_a_body_that_reads_changing_host_state_replays_it_stale():
+    """What a capture freezes stays frozen: a host value read by the body is baked in,
+    so a body that depends on one is caught by its outputs, as it would be on a GPU."""
+    scale = {"value": 2.0}
+    runner = GraphRunner(
+        make_bucket=lambda size: torch.ones(size),
+        body=lambda x: x * scale["value"],
+        sizes=[2],
+        device=torch.device("cpu"),
+    )
+    runner.capture()
+    scale["value"] = 3.0
+    assert runner.run(2).tolist() == [2.0, 2.0]
+
+
+def test_a_body_that_syncs_cannot_be_captured():
+    runner = GraphRunner(
+        make_bucket=lambda size: torch.ones(size),
+        body=lambda x: x[: int(x.sum().item())],
+        sizes=[2],
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(GraphCaptureError, match="reads a value on the host"):
+        runner.capture()
+
+
 @pytest.mark.gpu
 def test_capture_replays_the_bucket_it_was_filled_with():
     runner = toy_runner("cuda")
     runner.capture()
-    assert runner.captures and runner.status()["mode"] == "captured"
+    assert runner.mode == "captured" and runner.status()["mode"] == "captured"
     assert run_toy(runner, [1.0, 2.0, 3.0]) == [3.0, 5.0, 7.0]
     assert run_toy(runner, [4.0, 0.5]) == [9.0, 2.0]  # the replay read the new buffer
     assert runner.capture_seconds > 0

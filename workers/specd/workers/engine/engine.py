@@ -321,7 +321,7 @@ class Engine:
 
     def _enable_graphs(self) -> str | None:
         """CUDA graphs for the steps that have them, where the spec and the backend allow
-        (captured on CUDA; without it the same padded batches run eagerly).  -> why not."""
+        (captured on CUDA; without it emulated, see ``EmulatedGraph``).  -> why not."""
         cfg = self.spec.cuda_graph
         if not cfg.enabled:
             return "spec.cudaGraph.enabled is false"

@@ -8,13 +8,14 @@ steps.  A batch of ``n`` requests runs in the smallest bucket with ``size >= n``
 caller fills the bucket's buffers, padding rows up to ``size`` (pad rows write their K/V
 to the pool's pad slot and their outputs are ignored), then ``run`` replays the graph.
 
-Without CUDA (Triton's interpreter in the tests) the same bodies run eagerly on the same
-padded buffers, and their outputs are copied into per-size static outputs as a replay
-leaves them (overwritten by the next run of that size), so padding, buffer updates and
-output lifetimes are exercised everywhere; only the capture itself needs a GPU.
+Without CUDA (Triton's interpreter in the tests) each size is captured into an
+``EmulatedGraph``, which records the body's ops and launches and replays the record with
+the same freezing a CUDA graph has, and rejects host syncs at capture: padding, buffer
+updates, output lifetimes and stale host state are exercised everywhere; only the CUDA
+capture itself needs a GPU.
 
     runner = GraphRunner(make_bucket, body, sizes=[1, 2, 4, 8], device)
-    runner.capture()                       # once, at start (a no-op without CUDA)
+    runner.capture()                       # once, at start
     size = runner.size_for(n)              # None: too large, run it the ordinary way
     ... fill runner.bucket(size)'s buffers for these n requests ...
     out = runner.run(size)                 # the body's outputs, rows [0, n) are real
@@ -22,7 +23,6 @@ output lifetimes are exercised everywhere; only the capture itself needs a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from specd.kernels.emulated_graph import EmulatedGraph
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def default_sizes(max_batch_size: int) -> list[int]:
 @dataclass(slots=True)
 class _Captured(Generic[B]):
     bucket: B
-    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    graph: Any = None  # torch.cuda.CUDAGraph (or EmulatedGraph) once captured
     outputs: Any = None  # the body's outputs, living in the graph's memory pool
 
 
@@ -58,7 +60,7 @@ class GraphRunner(Generic[B]):
     device: torch.device
     buffer_bytes: int = 0  # static buffers the buckets share (reported in status)
     capture_seconds: float = 0.0
-    replays: int = 0  # batches run through a bucket (captured or eager)
+    replays: int = 0  # batches replayed
     _captured: dict[int, _Captured[B]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,21 +73,30 @@ class GraphRunner(Generic[B]):
         return self.sizes[-1]
 
     @property
-    def captures(self) -> bool:
-        """True when bodies replay as CUDA graphs (else they run eagerly)."""
-        return self.device.type == "cuda"
+    def mode(self) -> str:
+        """``captured`` (CUDA graphs) or ``emulated`` (``EmulatedGraph``, without CUDA)."""
+        return "captured" if self.device.type == "cuda" else "emulated"
 
     @torch.inference_mode()
     def capture(self, pool: Any = None) -> None:
         """Capture every size, largest first, sharing one memory pool (``pool``: one shared
-        with other runners; a no-op without CUDA).  The body runs eagerly first, so kernels compile and lazily made scratch
-        buffers exist outside the capture.  Bodies run under inference mode, as the
-        engine's eager steps do; other threads may use CUDA meanwhile (thread-local
-        capture errors)."""
-        if not self.captures:
-            return
+        with other runners).  On CUDA the body runs eagerly first, so kernels compile and
+        lazily made scratch buffers exist outside the capture.  Bodies run under inference
+        mode, as the engine's eager steps do; other threads may use the device meanwhile
+        (thread-local capture errors, thread-local recording)."""
         start = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        if self.mode == "captured":
+            self._capture_cuda(pool if pool is not None else torch.cuda.graph_pool_handle())
+        else:
+            for size in reversed(self.sizes):
+                entry = self._captured[size]
+                entry.graph = EmulatedGraph()
+                with entry.graph.capture():
+                    entry.outputs = self.body(entry.bucket)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("%s %d graphs in %.1f s", self.mode, len(self.sizes), self.capture_seconds)
+
+    def _capture_cuda(self, pool: Any) -> None:
         stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
             entry = self._captured[size]
@@ -101,8 +112,6 @@ class GraphRunner(Generic[B]):
             ):
                 entry.outputs = self.body(entry.bucket)
         torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d CUDA graphs in %.1f s", len(self.sizes), self.capture_seconds)
 
     def size_for(self, n: int) -> int | None:
         """The batch size a batch of ``n`` runs padded to, or None when ``n`` is too large."""
@@ -110,7 +119,7 @@ class GraphRunner(Generic[B]):
 
     def status(self) -> dict:
         return {
-            "mode": "captured" if self.captures else "eager",
+            "mode": self.mode,
             "sizes": list(self.sizes),
             "graphs": len(self.sizes),
             "buffer_bytes": self.buffer_bytes,
@@ -123,38 +132,12 @@ class GraphRunner(Generic[B]):
         return self._captured[size].bucket
 
     def run(self, size: int) -> Any:
-        """Replay the body on the bucket of ``size`` (filled by the caller): its outputs,
-        which the next replay of the same size overwrites (copy what must outlive it)."""
+        """Replay the graph of ``size`` on its bucket (filled by the caller): the body's
+        outputs, which the next replay of the same size overwrites (copy what must outlive
+        it)."""
         entry = self._captured[size]
+        if entry.graph is None:
+            raise RuntimeError("GraphRunner.run before capture()")
         self.replays += 1
-        if entry.graph is not None:
-            entry.graph.replay()
-        elif entry.outputs is None:
-            entry.outputs = _clone(self.body(entry.bucket))
-        else:
-            _copy_into(entry.outputs, self.body(entry.bucket))
+        entry.graph.replay()
         return entry.outputs
-
-
-def _clone(out: Any) -> Any:
-    """A copy of a body's outputs (tensors, tuples, dataclasses of tensors and ints)."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, tuple):
-        return tuple(_clone(x) for x in out)
-    if dataclasses.is_dataclass(out):
-        fields = {f.name: _clone(getattr(out, f.name)) for f in dataclasses.fields(out)}
-        return dataclasses.replace(out, **fields)
-    return out
-
-
-def _copy_into(static: Any, out: Any) -> None:
-    """Write a body's new outputs into the static ones (same structure and shapes)."""
-    if isinstance(static, torch.Tensor):
-        static.copy_(out)
-    elif isinstance(static, tuple):
-        for s, o in zip(static, out, strict=True):
-            _copy_into(s, o)
-    elif dataclasses.is_dataclass(static):
-        for f in dataclasses.fields(static):
-            _copy_into(getattr(static, f.name), getattr(out, f.name))
