@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from specd.kernels.emulated_graph import EmulatedGraph, GraphCaptureError
+from specd.kernels.emulated_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
 from specd.kernels.ops import TorchOps, get_ops
 
 
@@ -117,6 +117,38 @@ def test_only_the_capturing_thread_is_recorded():
     graph.replay()
     graph.replay()
     assert other.tolist() == [1.0] * 3
+
+
+def test_a_replay_after_an_input_was_dropped_is_refused():
+    """The graph does not keep what it reads alive (a CUDA graph keeps addresses): an
+    input whose owner let it go is memory a GPU may have handed to someone else."""
+    owner = {"buffer": torch.ones(3)}
+    kept = torch.ones(3)
+    graph, out = captured(lambda: owner["buffer"] + kept)
+    graph.replay()
+    assert out.tolist() == [2.0] * 3
+    owner["buffer"] = torch.zeros(3)  # rebound: the captured tensor is gone
+    with pytest.raises(GraphReplayError, match=r"\(3,\) torch.float32.*freed"):
+        graph.replay()
+
+
+def test_what_the_graph_made_and_changed_in_place_outlives_the_body():
+    """Intermediates live with the graph (its memory pool); an input changed in place is
+    still the caller's, not the graph's."""
+    owner = {"x": torch.ones(2)}
+
+    def body(x):
+        tmp = x * 3  # made by the graph, dropped by the body
+        x.add_(1)  # in place on the input: returns the input itself
+        return tmp + x
+
+    graph, out = captured(body, owner["x"])
+    assert out.tolist() == [5.0, 5.0]
+    graph.replay()  # tmp = 6, x = 3
+    assert out.tolist() == [9.0, 9.0] and owner["x"].tolist() == [3.0, 3.0]
+    owner.clear()
+    with pytest.raises(GraphReplayError):
+        graph.replay()
 
 
 def test_captures_neither_nest_nor_repeat():

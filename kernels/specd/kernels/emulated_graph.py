@@ -3,14 +3,17 @@
 CUDA graph capture freezes what a body launches; this freezes the same things, so a CPU
 test sees what a GPU replay would, not what an eager re-run would:
 
-* every aten op the body dispatches is recorded with its arguments: tensors by identity
-  (static buffers, weights, the KV pool, and intermediates, which the record keeps alive
-  as a graph's memory pool does), everything else by value (Python ints, sizes, slices:
-  baked in, as kernel parameters are);
+* every aten op the body dispatches is recorded with its arguments: tensors by identity,
+  everything else by value (Python ints, sizes, slices: baked in, as kernel parameters
+  are); the intermediates the body makes stay alive with the record, as in a graph's
+  memory pool;
 * Triton launches (``specd.kernels.triton_launch.launch``) are recorded whole, with their
   grid and arguments;
 * ``replay`` runs the record in order; an op that allocated its output at capture writes
-  the new result into that same tensor, so later ops and the caller read the new values.
+  the new result into that same tensor, so later ops and the caller read the new values;
+* tensors the body reads but did not make (buffers, weights, the pool) are held weakly,
+  as a CUDA graph holds only their addresses: a replay after their owner dropped one
+  raises ``GraphReplayError`` where a GPU would read freed memory.
 
 Python control flow runs once, at capture.  A body whose work depends on host state that
 changes between steps therefore replays stale work here exactly as on a GPU, and the
@@ -23,6 +26,7 @@ whose copy a graph would replay from a host buffer long gone).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 aten = torch.ops.aten
 
@@ -56,6 +60,10 @@ _BOOL_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_i
 
 class GraphCaptureError(RuntimeError):
     """The body does something a CUDA graph capture cannot hold."""
+
+
+class GraphReplayError(RuntimeError):
+    """A replay would read memory a GPU has freed since the capture."""
 
 
 def _capture_error(func, args: tuple, kwargs: dict) -> str | None:
@@ -86,31 +94,64 @@ def _same_view(old: torch.Tensor, new: torch.Tensor) -> bool:
 
 
 @dataclass(slots=True)
-class _OpStep:
-    func: Any
-    args: tuple
-    kwargs: dict
-    outputs: list  # the tensors the op returned at capture (flattened)
+class _Held:
+    """A tensor the graph reads but does not own, held weakly: a CUDA graph keeps its
+    address, not a reference, so whoever made it must keep it alive."""
 
-    def run(self) -> None:
-        fresh, _ = tree_flatten(self.func(*self.args, **self.kwargs))
-        for old, new in zip(self.outputs, fresh, strict=True):
-            if isinstance(old, torch.Tensor) and not _same_view(old, new):
-                old.copy_(new)
+    ref: weakref.ReferenceType
+    what: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Held:
+        return cls(weakref.ref(t), f"{tuple(t.shape)} {t.dtype}")
+
+    def get(self) -> torch.Tensor:
+        t = self.ref()
+        if t is None:
+            raise GraphReplayError(
+                f"a captured body reads a tensor ({self.what}) that nothing outside the graph "
+                "holds anymore: on a GPU its memory is freed and reused before this replay"
+            )
+        return t
 
 
 @dataclass(slots=True)
-class _LaunchStep:
-    launch: Callable[[], None]
+class _Step:
+    """One recorded op (or Triton launch) and the tensors it made at capture."""
+
+    call: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    outputs: list  # flattened; None where the op returned an input (in place) or no tensor
+    keep_inputs: bool = False  # host data (a wrapped scalar): the graph's own constant
 
     def run(self) -> None:
-        self.launch()
+        args, kwargs = tree_map_only(_Held, _Held.get, (self.args, self.kwargs))
+        result = self.call(*args, **kwargs)
+        if not self.outputs:
+            return
+        fresh, _ = tree_flatten(result)
+        for old, new in zip(self.outputs, fresh, strict=True):
+            if old is not None and not _same_view(old, new):
+                old.copy_(new)
+
+
+def _seal(steps: list[_Step]) -> None:
+    """After capture: the graph owns what its steps made and holds the rest weakly."""
+    made = {id(t) for step in steps for t in step.outputs if t is not None}
+
+    def hold(t: torch.Tensor):
+        return t if id(t) in made else _Held.of(t)
+
+    for step in steps:
+        if not step.keep_inputs:
+            step.args, step.kwargs = tree_map_only(torch.Tensor, hold, (step.args, step.kwargs))
 
 
 class _Recorder(TorchDispatchMode):
     """Records the ops of the thread that captures (dispatch modes are thread-local)."""
 
-    def __init__(self, steps: list):
+    def __init__(self, steps: list[_Step]):
         super().__init__()
         self.steps = steps
         self.paused = False
@@ -123,16 +164,22 @@ class _Recorder(TorchDispatchMode):
         if why is not None:
             raise GraphCaptureError(f"a captured body calls {func}, which {why}")
         out = func(*args, **kwargs)
-        self.steps.append(_OpStep(func, args, kwargs, tree_flatten(out)[0]))
+        flat = [t if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]]
+        if func.overloadpacket in _HOST_DATA:
+            self.steps.append(_Step(func, args, kwargs, flat, keep_inputs=True))
+        else:
+            inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            outputs = [None if t is None or id(t) in inputs else t for t in flat]
+            self.steps.append(_Step(func, args, kwargs, outputs))
         return out
 
-    def record_launch(self, launch: Callable[[], None]) -> None:
+    def record_launch(self, launch: Callable[..., None], args: tuple, kwargs: dict) -> None:
         self.paused = True
         try:
-            launch()
+            launch(*args, **kwargs)
         finally:
             self.paused = False
-        self.steps.append(_LaunchStep(launch))
+        self.steps.append(_Step(launch, args, kwargs, []))
 
 
 _local = threading.local()
@@ -148,7 +195,7 @@ class EmulatedGraph:
     runs the record again, leaving new results in ``out``'s tensors."""
 
     def __init__(self) -> None:
-        self._steps: list[_OpStep | _LaunchStep] = []
+        self._steps: list[_Step] = []
         self._inference_mode = False  # replays run in the mode the capture ran in
 
     @property
@@ -169,6 +216,7 @@ class EmulatedGraph:
                 yield
         finally:
             _local.recorder = None
+        _seal(self._steps)
 
     def replay(self) -> None:
         with torch.inference_mode(self._inference_mode):

@@ -24,7 +24,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     """``kernel[grid](*args, **kwargs)``."""
     recorder = active_recorder()
     if recorder is not None:
-        recorder.record_launch(partial(_launch_now, kernel, grid, *args, **kwargs))
+        recorder.record_launch(partial(_launch_now, kernel, grid), args, kwargs)
     else:
         _launch_now(kernel, grid, *args, **kwargs)
 
