@@ -128,7 +128,7 @@ class _Step:
     def run(self) -> None:
         args, kwargs = tree_map_only(_Held, _Held.get, (self.args, self.kwargs))
         result = self.call(*args, **kwargs)
-        if not self.outputs:
+        if not self.outputs:  # a Triton launch: it wrote into its arguments
             return
         fresh, _ = tree_flatten(result)
         for old, new in zip(self.outputs, fresh, strict=True):
@@ -197,10 +197,6 @@ class EmulatedGraph:
     def __init__(self) -> None:
         self._steps: list[_Step] = []
         self._inference_mode = False  # replays run in the mode the capture ran in
-
-    @property
-    def num_steps(self) -> int:
-        return len(self._steps)
 
     @contextmanager
     def capture(self) -> Iterator[None]:

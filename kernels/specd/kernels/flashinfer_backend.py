@@ -166,28 +166,23 @@ class FlashInferAttentionBackend:
         shape = plan.shape
         q = torch.empty(0, shape.num_qo_heads, shape.head_dim, dtype=shape.dtype)
         k = torch.empty(0, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype)
-        planner = self._plan_decode if eager.decode else self._plan_prefill
-        planner(plan.wrapper, eager, q, k, shape.head_dim**-0.5)
+        self._plan_wrapper(plan.wrapper, eager, q, k, shape.head_dim**-0.5)
 
     def forward(self, q, k_buffer, v_buffer, plan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V through ``plan`` (page size 1)."""
+        kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # NHD pages of one token
         if isinstance(plan, FlashInferGraphPlan):
             if abs(scale - plan.shape.head_dim**-0.5) > 1e-12:
                 raise ValueError("flashinfer graph plans use the softmax scale head_dim**-0.5")
-            return plan.wrapper.run(q, (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)))
-        wrapper = self._planned_wrapper(plan, q, k_buffer, scale)
-        kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # NHD pages of one token
-        return wrapper.run(q, kv)
+            return plan.wrapper.run(q, kv)
+        return self._planned_wrapper(plan, q, k_buffer, scale).run(q, kv)
 
     def _planned_wrapper(self, plan: FlashInferPlan, q, k_buffer, scale: float):
         kind = "decode" if plan.decode else "prefill"
         key = (plan.plan_id, q.shape[1], k_buffer.shape[1], q.shape[2])
         wrapper = self._wrapper(kind, q.device, q.shape[1] // k_buffer.shape[1])
         if self._planned.get(kind) != key:
-            if plan.decode:
-                self._plan_decode(wrapper, plan, q, k_buffer, scale)
-            else:
-                self._plan_prefill(wrapper, plan, q, k_buffer, scale)
+            self._plan_wrapper(wrapper, plan, q, k_buffer, scale)
             self._planned[kind] = key
         return wrapper
 
@@ -208,6 +203,12 @@ class FlashInferAttentionBackend:
                     self._workspace, "NHD"
                 )
         return self._wrappers[kind]
+
+    @classmethod
+    def _plan_wrapper(cls, wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
+        """Plan ``wrapper`` for ``plan``'s batch: the decode or the prefill signature."""
+        planner = cls._plan_decode if plan.decode else cls._plan_prefill
+        planner(wrapper, plan, q, k_buffer, scale)
 
     @staticmethod
     def _plan_decode(wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
