@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of the CUDA backends (issue 6), for one CUDA machine, no network needed:
-#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR]
+#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR] [PYTEST_ARGS...]
 # Runs the gpu-marked tests (the lossless matrix on every CUDA backend installed, kernels
 # against the torch reference, captured CUDA graphs) and the GPU benchmark (8B shape,
 # batch 1 and 32), and writes their logs and the benchmark's JSON to OUT_DIR
-# (default ./gpu-check).  Packages: specd's dependencies as usual (pip install -e
+# (default ./gpu-check); PYTEST_ARGS (e.g. -k flashinfer) narrow the tests, so a run can be
+# split to fit a time limit.  Packages: specd's dependencies as usual (pip install -e
 # '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
 # stock PyTorch image lacks; flashinfer is optional) installed to a temporary directory.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
 out="${2:-gpu-check}"
+shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
 if [[ -n "${SPECD_WHEELS:-}" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specd-site \
@@ -25,7 +27,10 @@ export PYTHONUNBUFFERED=1
 if [[ "$what" != bench ]]; then
   # only the modules with gpu tests: the others import the serving stack (Ray, FastAPI, ...)
   mapfile -t modules < <(grep -l "mark.gpu" kernels/tests/*.py workers/tests/*.py)
-  python3 -m pytest -m gpu -p no:cacheprovider -q "${modules[@]}" 2>&1 | tee "$out/gpu-tests.log"
+  # -v names each test as it starts, so a hang or a cut-off run shows where it stopped;
+  # faulthandler dumps every thread's stack of a test still running after 240 s
+  python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --durations=15 \
+    -o faulthandler_timeout=240 "$@" "${modules[@]}" 2>&1 | tee "$out/gpu-tests.log"
 fi
 if [[ "$what" != tests ]]; then
   python3 benchmarks/bench_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"

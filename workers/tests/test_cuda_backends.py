@@ -41,10 +41,11 @@ def reference_outputs(target, prompts, **extra):
 
 def check_backend_run(engine, backend, prompts, expected):
     """The engine really runs ``backend`` with the Triton ops, outputs equal ``expected``
-    at batch 1 and concurrently, and the strict leak checks ran and passed."""
+    at batch 1 and concurrently, and the strict (busy) leak checks ran and passed."""
     assert engine.backend_name == backend
     assert engine.kv.ops.name == "triton"
     check_exact_run(engine, prompts, expected, MAX_NEW)
+    assert metric_value(engine, "specd_leak_checks_total", mode="busy", result="ok") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
 
 
