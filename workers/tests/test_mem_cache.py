@@ -14,6 +14,7 @@ from specd.workers.mem_cache.sizing import (
     extra_context_len,
     row_width,
 )
+from specd.workers.testing import RecordingOps
 
 
 @pytest.mark.parametrize(
@@ -108,3 +109,52 @@ def test_req_to_token_is_int64_table_with_a_pad_row():
     assert pool.req_to_token.dtype == torch.int64 and pool.req_to_token.shape == (3, 8)
     assert pool.pad_row == 2 and pool.req_to_token[2].tolist() == [99] * 8
     assert sorted(pool.alloc() for _ in range(2)) == [0, 1] and pool.alloc() is None
+
+
+def recording_manager(**kw):
+    m = make_manager(**kw)
+    m.ops = RecordingOps()
+    return m
+
+
+def test_batched_writes_go_out_as_one_op_at_the_end():
+    m, eager = recording_manager(pages=16), make_manager(pages=16)
+    kvs, eager_kvs = [RequestKV() for _ in range(3)], [RequestKV() for _ in range(3)]
+    before = m.req_pool.req_to_token.clone()
+    with m.batched_writes():
+        with m.batched_writes():  # re-entrant: the outer one writes
+            for kv, n in zip(kvs, (5, 1, 9), strict=True):
+                assert m.grow(kv, n)
+        assert m.ops.writes == []
+        assert torch.equal(m.req_pool.req_to_token, before)  # nothing written yet
+    assert len(m.ops.writes) == 1 and len(m.ops.writes[0]) == 15
+    for kv, n in zip(eager_kvs, (5, 1, 9), strict=True):
+        eager.grow(kv, n)
+    assert torch.equal(m.req_pool.req_to_token, eager.req_pool.req_to_token)
+    m.grow(kvs[1], 2)  # outside: at once
+    assert len(m.ops.writes) == 2 and m.slots(kvs[1], 1, 2).item() == kvs[1].pages[0] * 4 + 1
+
+
+@pytest.mark.parametrize("free", ["release", "free_tail"])
+def test_positions_freed_and_regrown_in_one_batch_are_written_once(free):
+    """A batch that frees positions and grows them again (a retraction and an admission
+    reusing the row, or a trimmed tail grown back) writes each position once, with the
+    new slot: one op with a position twice would leave either value on a GPU."""
+    m = recording_manager(pages=16, rows=1)
+    first, second = RequestKV(), RequestKV()
+    with m.batched_writes():
+        m.grow(first, 11)
+        if free == "release":
+            m.release(first)
+            m.grow(second, 7)  # the only row again
+            owner, end = second, 7
+        else:
+            first.committed = 5
+            m.free_tail(first, 5)  # keeps 2 pages: positions 5..7 keep their slots
+            m.allocator.alloc_pages(1)  # the freed page goes elsewhere
+            m.grow(first, 11)
+            owner, end = first, 11
+    (pairs,) = m.ops.writes
+    assert len(pairs) == len(set(pairs))
+    expected = [owner.pages[p // 4] * 4 + p % 4 for p in range(end)]
+    assert m.slots(owner, 0, end).tolist() == expected

@@ -9,6 +9,7 @@ from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.scheduler.batch import RunnerOutput
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from specd.workers.testing import RecordingOps
 
 EOS = 0
 
@@ -119,3 +120,18 @@ def test_abort_frees_kv_wherever_the_request_is():
     assert s.kv.allocator.used_tokens == 0
     s.kv.check_integrity()
     assert s.abort("missing") is None
+
+
+def test_a_scheduled_batch_writes_req_to_token_once():
+    """Every request's new slots of one step go out in one ``write_req_to_token`` (one
+    launch per step on CUDA, not one per request), admissions and decodes alike."""
+    s = make_scheduler(chunk=64)
+    s.kv.ops = ops = RecordingOps()
+    for r in [req(f"r{i}", 3 + i, max_tokens=6) for i in range(4)]:
+        s.add(r)
+    first = step(s)  # admits all four prompts
+    assert len(first.reqs) == 4 and len(ops.writes) == 1
+    ops.writes.clear()
+    decode = step(s)
+    assert decode.extend_lens == (1, 1, 1, 1) and len(ops.writes) == 1
+    assert len(ops.writes[0]) == 4  # one new position each

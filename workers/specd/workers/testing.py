@@ -13,12 +13,27 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
+from specd.kernels.ops import TorchOps
 from specd.workers.config import spec_for_model
 from specd.workers.engine.engine import Engine
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 
 # The trained demo pair the repo ships (demo-target, demo-eagle), from a source checkout.
 DEMO_MODELS = Path(__file__).resolve().parents[3] / "examples" / "models"
+
+
+class RecordingOps(TorchOps):
+    """The torch ops, recording every ``req_to_token`` write as (row, position) pairs."""
+
+    def __init__(self):
+        self.writes: list[list[tuple[int, int]]] = []
+
+    def write_req_to_token(self, req_to_token, rows, starts, slots, lens):
+        pairs = []
+        for row, start, n in zip(rows.tolist(), starts.tolist(), lens, strict=True):
+            pairs += [(row, start + i) for i in range(n)]
+        self.writes.append(pairs)
+        super().write_req_to_token(req_to_token, rows, starts, slots, lens)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ over-allocation).  Frees are rounded up to page boundaries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,8 @@ class KVManager:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self._live: dict[int, RequestKV] = {}  # row -> holder
+        # (row, start, slots) writes ``grow`` queued inside ``batched_writes``; None: none open
+        self._queued: list[tuple[int, int, list[int]]] | None = None
 
     @property
     def row_width(self) -> int:
@@ -107,23 +110,62 @@ class KVManager:
         kv.assert_lengths(self.row_width)
         return True
 
+    @contextmanager
+    def batched_writes(self) -> Iterator[None]:
+        """Inside, ``grow`` queues its ``req_to_token`` writes and they go out as one op at
+        the end (one launch per scheduled batch instead of one per request).  Nothing may
+        read the rows it grew before then.  Re-entrant: the outermost one writes."""
+        if self._queued is not None:
+            yield
+            return
+        self._queued = []
+        try:
+            yield
+        finally:
+            queued, self._queued = self._queued, None
+            self._write_rows(queued)
+
     def _write_row(self, kv: RequestKV, start: int, end: int) -> None:
-        """Slots of positions ``[start, end)`` (from the pages, on the host) into the row."""
+        """Slots of positions ``[start, end)`` (from the pages, on the host) into the row,
+        now or, inside ``batched_writes``, with the batch."""
         page = self.page_size
         slots = [kv.pages[p // page] * page + p % page for p in range(start, end)]
+        if self._queued is None:
+            self._write_rows([(kv.row, start, slots)])
+        else:
+            self._queued.append((kv.row, start, slots))
+
+    def _write_rows(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """One ``write_req_to_token`` for every ``(row, start, slots)`` in ``writes``."""
+        writes = [w for w in writes if w[2]]
+        if not writes:
+            return
+        rows, starts, slots = zip(*writes, strict=True)
         device = self.req_pool.req_to_token.device
-        row_start_slots = host_tensor([kv.row, start, *slots], device)
+        packed = host_tensor([*rows, *starts, *(s for row in slots for s in row)], device)
+        n = len(writes)
         self.ops.write_req_to_token(
             self.req_pool.req_to_token,
-            row_start_slots[:1],
-            row_start_slots[1:2],
-            row_start_slots[2:],
-            [end - start],
+            packed[:n],
+            packed[n : 2 * n],
+            packed[2 * n :],
+            [len(row) for row in slots],
         )
+
+    def _drop_queued(self, row: int, keep: int = 0) -> None:
+        """Forget queued writes to ``row`` at positions ``>= keep`` (they were freed), so a
+        later grow of the same positions in this batch is the only write to them."""
+        if not self._queued:
+            return
+        self._queued = [
+            (r, start, slots[: max(0, keep - start)] if r == row else slots)
+            for r, start, slots in self._queued
+        ]
 
     def free_tail(self, kv: RequestKV, keep: int) -> None:
         """Shrink the allocation to ``keep`` positions, freeing whole pages past it."""
         keep_pages = ceil_page(keep, self.page_size) // self.page_size
+        self._drop_queued(kv.row, keep)
         self.allocator.free(kv.pages[keep_pages:])
         del kv.pages[keep_pages:]
         kv.allocated = min(kv.allocated, keep)
@@ -134,6 +176,7 @@ class KVManager:
         self.allocator.free(kv.pages)
         kv.pages.clear()
         if kv.row is not None:
+            self._drop_queued(kv.row)
             del self._live[kv.row]
             self.req_pool.free(kv.row)
         kv.row = None

@@ -118,11 +118,13 @@ class Scheduler:
 
         Plain decode mixes prefill chunks and decodes in one batch.  A speculative engine
         runs prefill chunks first, then a verify step for every request that has a draft
-        state (its prompt is in the cache and its first token sampled)."""
-        if self.config.spec is None:
-            return self._schedule_extend(self.running)
-        prefilling = [r for r in self.running if not r.spec_ready]
-        return self._schedule_extend(prefilling) or self.schedule_verify()
+        state (its prompt is in the cache and its first token sampled).  The batch's
+        ``req_to_token`` writes go out together when it is picked."""
+        with self.kv.batched_writes():
+            if self.config.spec is None:
+                return self._schedule_extend(self.running)
+            prefilling = [r for r in self.running if not r.spec_ready]
+            return self._schedule_extend(prefilling) or self.schedule_verify()
 
     def wants_extend(self) -> bool:
         """A prefill chunk is due (a speculative engine runs those before verifies)."""
@@ -157,6 +159,10 @@ class Scheduler:
         lags by up to one verify; the 2x reserve covers that.  ``allow_retract=False``
         (overlap) gives up, returning None, instead of retracting a request in flight.
         """
+        with self.kv.batched_writes():
+            return self._schedule_verify(allow_retract)
+
+    def _schedule_verify(self, allow_retract: bool) -> ScheduledBatch | None:
         spec, page = self.config.spec, self.kv.page_size
         picked = []
         for req in list(self.running):
