@@ -12,6 +12,7 @@ from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingPa
 from specd.workers.testing import (
     check_exact_run,
     check_small_pool_run,
+    collect,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -125,3 +126,42 @@ def test_consumer_leaving_aborts_the_request(engine):
         time.sleep(0.02)
     assert metric_value(engine, "specd_aborts_total") == aborts_before + 1
     assert wait_idle(engine)
+
+
+class WakeCountingLoop(asyncio.SelectorEventLoop):
+    """A real event loop that counts the wake-ups other threads send it."""
+
+    wakeups = 0
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        WakeCountingLoop.wakeups += 1
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+def test_a_step_wakes_each_consumer_loop_once(tiny_models):
+    """Deltas of one step reach their streams in one hand-over per event loop (a thread
+    wake-up costs the engine loop tens of microseconds), and every token still arrives."""
+    engine = start_engine(tiny_models("gqa"), kvCache={"pageSize": 4, "maxTokens": 4096})
+    prompts = random_prompts(8, 300, seed=3)
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                collect(engine, f"w{i}", p, max_tokens=10, ignore_eos=True)
+                for i, p in enumerate(prompts)
+            )
+        )
+
+    try:
+        run_all(engine, prompts[:1], max_tokens=2)  # the step counter's first samples
+        steps_before = metric_value(engine, "specd_engine_steps_total")
+        WakeCountingLoop.wakeups = 0
+        with asyncio.Runner(loop_factory=WakeCountingLoop) as runner:
+            results = runner.run(go())
+        steps = metric_value(engine, "specd_engine_steps_total") - steps_before
+    finally:
+        engine.shutdown()
+    deltas = sum(len(tokens) for tokens, _, _ in results)
+    assert deltas == 8 * 10 and all(len(tokens) == 10 for tokens, _, _ in results)
+    # one per step that emitted, plus one per request's admission
+    assert WakeCountingLoop.wakeups <= steps + len(prompts) < deltas

@@ -130,6 +130,15 @@ class _Stream:
     sent_tokens: int = 0
 
 
+Deliveries = list[tuple[asyncio.Queue, GenerateDelta]]  # (a stream's queue, its delta)
+
+
+def _deliver(items: Deliveries) -> None:
+    """On a consumer's event loop: put each delta on its stream's queue."""
+    for queue_, delta in items:
+        queue_.put_nowait(delta)
+
+
 class Engine:
     def __init__(
         self,
@@ -150,6 +159,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # deltas of this loop pass, per consumer loop (``_send``, ``_flush_outbox``)
+        self._outbox: dict[asyncio.AbstractEventLoop, Deliveries] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status: dict = {}
@@ -451,12 +462,14 @@ class Engine:
                 self._drain_inbox()
                 self._expire_sessions()
                 if not self.scheduler.has_work() and self._pending is None:
+                    self._flush_outbox()
                     self._refresh_status()
                     self._on_idle()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
                 self.step()
+                self._flush_outbox()
         except Exception as err:  # the loop must never die silently
             log.exception("engine %s loop failed", self.replica)
             self.healthy = False
@@ -465,6 +478,7 @@ class Engine:
         finally:
             self._settle_pending()
             self._abort_all()
+            self._flush_outbox()
             self._compute.shutdown()
 
     def step(self) -> None:
@@ -721,11 +735,17 @@ class Engine:
             del self._streams[req.rid]
         self._send(stream, delta)
 
-    @staticmethod
-    def _send(stream: _Stream, delta: GenerateDelta) -> None:
-        """Hand ``delta`` to the stream's consumer, on its event loop."""
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+    def _send(self, stream: _Stream, delta: GenerateDelta) -> None:
+        """Queue ``delta`` for the stream's consumer (``_flush_outbox`` hands it over)."""
+        self._outbox.setdefault(stream.loop, []).append((stream.queue, delta))
+
+    def _flush_outbox(self) -> None:
+        """Hand this loop pass's deltas to their consumers: one wake-up per event loop,
+        not one per request and step."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
+                loop.call_soon_threadsafe(_deliver, items)
 
     @staticmethod
     def _feed_detokenizer(req: Req, stream: _Stream) -> str:
