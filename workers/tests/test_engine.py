@@ -12,7 +12,6 @@ from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingPa
 from specd.workers.testing import (
     check_exact_run,
     check_small_pool_run,
-    collect,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -143,21 +142,13 @@ def test_a_step_wakes_each_consumer_loop_once(tiny_models):
     wake-up costs the engine loop tens of microseconds), and every token still arrives."""
     engine = start_engine(tiny_models("gqa"), kvCache={"pageSize": 4, "maxTokens": 4096})
     prompts = random_prompts(8, 300, seed=3)
-
-    async def go():
-        return await asyncio.gather(
-            *(
-                collect(engine, f"w{i}", p, max_tokens=10, ignore_eos=True)
-                for i, p in enumerate(prompts)
-            )
-        )
-
     try:
         run_all(engine, prompts[:1], max_tokens=2)  # the step counter's first samples
         steps_before = metric_value(engine, "specd_engine_steps_total")
         WakeCountingLoop.wakeups = 0
-        with asyncio.Runner(loop_factory=WakeCountingLoop) as runner:
-            results = runner.run(go())
+        results = run_all(
+            engine, prompts, loop_factory=WakeCountingLoop, max_tokens=10, ignore_eos=True
+        )
         steps = metric_value(engine, "specd_engine_steps_total") - steps_before
     finally:
         engine.shutdown()

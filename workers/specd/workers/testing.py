@@ -111,13 +111,17 @@ async def collect(engine: Engine, rid: str, prompt, session_id=None, **params):
     return tokens, text, last
 
 
-def run_all(engine: Engine, prompts, **params):
+def run_all(engine: Engine, prompts, loop_factory=None, **params):
+    """Every prompt at once, on a new event loop (``loop_factory``: its class) -> one
+    ``collect`` result per prompt."""
+
     async def go():
         return await asyncio.gather(
             *(collect(engine, f"r{i}", p, **params) for i, p in enumerate(prompts))
         )
 
-    return asyncio.run(go())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(go())
 
 
 def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
