@@ -17,7 +17,7 @@ measured by a large device-to-device copy (goal: within 1.2x of the floor).
 
     python benchmarks/bench_gpu.py [--shape 8b|tiny] [--device cuda|cpu] [--backends torch ...]
         [--batch 1 32] [--accept-len 4] [--steps 3 --topk 1 --draft-tokens 4]
-        [--new-tokens 128] [--prompt-len 128] [--repeats 3] [--json OUT.json]
+        [--new-tokens 128] [--prompt-len 128] [--repeats 3] [--overlap on|off] [--json OUT.json]
 
 Tokens/s include each run's prefill (one --prompt-len prompt per request); ms/token is
 decode only (first to last token of a request).  On a tree (--topk > 1) the forced walk
@@ -220,6 +220,7 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
         maxRunningRequests=max_batch,
         attentionBackend=backend,
         cudaGraph={"enabled": args.graphs == "on", "maxBatchSize": max_batch},
+        scheduler={"overlap": args.overlap == "on"},
     )
     if draft is not None:
         fields["draft"] = {"path": str(draft), "algorithm": "EAGLE3"}
@@ -421,6 +422,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--graphs", choices=("on", "off"), default="on", help="spec.cudaGraph.enabled")
+    ap.add_argument(
+        "--overlap", choices=("on", "off"), default="off", help="spec.scheduler.overlap"
+    )
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds per timed run")
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
@@ -436,7 +440,8 @@ def header(args, report: dict) -> None:
     print(
         f"# backends {args.backends}; steps {args.steps} topk {args.topk} draft tokens "
         f"{args.draft_tokens}; forced accept len {args.accept_len}; prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, {args.repeats} repeats, CUDA graphs {args.graphs}"
+        f"{args.new_tokens} new tokens, {args.repeats} repeats, CUDA graphs {args.graphs}, "
+        f"overlap {args.overlap}"
     )
     print(
         f"# memory bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; a decode step "

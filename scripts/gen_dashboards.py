@@ -356,8 +356,16 @@ def serving() -> dict:
             ),
             panel(
                 "Engine steps/s by kind",
-                [rate_per_replica_by("specd_engine_steps_total", "kind")],
+                [
+                    rate_per_replica_by("specd_engine_steps_total", "kind"),
+                    (
+                        rate("specd_engine_steps_launched_ahead_total"),
+                        f"{REPLICA_LEGEND} launched ahead",
+                    ),
+                ],
                 unit="ops",
+                description="launched ahead: overlap scheduling started the step before "
+                "the previous one was resolved (near the decode/verify rate when it pays)",
             ),
         ],
     )

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of the CUDA backends (issue 6), for one CUDA machine, no network needed:
-#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR] [PYTEST_ARGS...]
+#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR] [PYTEST_ARGS... | BENCH_ARGS...]
 # Runs the gpu-marked tests (the lossless matrix on every CUDA backend installed, kernels
 # against the torch reference, captured CUDA graphs) and the GPU benchmark (8B shape,
 # batch 1 and 32), and writes their logs and the benchmark's JSON to OUT_DIR
 # (default ./gpu-check); PYTEST_ARGS (e.g. -k flashinfer) narrow the tests, so a run can be
-# split to fit a time limit.  Packages: specd's dependencies as usual (pip install -e
+# split to fit a time limit; with `bench`, BENCH_ARGS go to bench_gpu.py instead (e.g.
+# --overlap on --backends triton flashinfer).  Packages: specd's dependencies as usual (pip install -e
 # '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
 # stock PyTorch image lacks; flashinfer is optional) installed to a temporary directory.
 set -uo pipefail
@@ -33,5 +34,8 @@ if [[ "$what" != bench ]]; then
     -o faulthandler_timeout=240 "$@" "${modules[@]}" 2>&1 | tee "$out/gpu-tests.log"
 fi
 if [[ "$what" != tests ]]; then
-  python3 benchmarks/bench_gpu.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  bench_args=()
+  [[ "$what" == bench ]] && bench_args=("$@")
+  python3 benchmarks/bench_gpu.py --json "$out/bench.json" "${bench_args[@]}" 2>&1 \
+    | tee "$out/bench.log"
 fi

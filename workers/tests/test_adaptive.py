@@ -246,14 +246,15 @@ def reference(pair):
 def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
     """Per verify batch as launched: (rung, plain by load, [(granted, committed)])."""
     seen = []
-    submit = engine._submit_verify
+    submit = engine._submit
 
     def recording(batch):
-        grants = [(g, r.kv.committed) for g, r in zip(batch.granted_lens, batch.reqs, strict=True)]
-        seen.append((batch.rung, batch.plain_by_load, grants))
+        if batch.verify:
+            grants = zip(batch.granted_lens, batch.reqs, strict=True)
+            seen.append((batch.rung, batch.plain_by_load, [(g, r.kv.committed) for g, r in grants]))
         return submit(batch)
 
-    engine._submit_verify = recording
+    engine._submit = recording
     return seen
 
 

@@ -56,7 +56,7 @@ def run_case(pair, backend, case, expected, prompts, **extra):
         engine = start_engine(
             target,
             kvCache={"pageSize": case["page"], "maxTokens": 4096},
-            scheduler={"chunkedPrefillSize": 16},
+            scheduler={"chunkedPrefillSize": 16, "overlap": case["overlap"]},
             attentionBackend=backend,
             debug={"strictMemCheck": 1},
             **extra,
@@ -78,19 +78,25 @@ def run_case(pair, backend, case, expected, prompts, **extra):
     check_backend_run(engine, backend, prompts, expected)
 
 
-def case(page, spec=None, graphs=True, marks=()):
-    """spec: (steps, topk, algorithm, overlap) or None for plain decode; graphs: CUDA
-    graphs (on CPU: the same padded graph batches, in emulated graphs)."""
-    name = f"page{page}-" + ("plain" if spec is None else "S{}-k{}-{}-{}".format(*spec))
+def case(page, spec=None, graphs=True, overlap=False, marks=()):
+    """spec: (steps, topk, algorithm, overlap) or None for plain decode (then ``overlap``
+    is the plain engine's); graphs: CUDA graphs (on CPU: the same padded graph batches,
+    in emulated graphs)."""
+    if spec is None:
+        name = f"page{page}-plain-{overlap}"
+    else:
+        name = f"page{page}-" + "S{}-k{}-{}-{}".format(*spec)
     name = name.replace("-True", "-overlap").replace("-False", "-sync")
     name += "" if graphs else "-nographs"
-    return pytest.param({"page": page, "spec": spec, "graphs": graphs}, id=name, marks=marks)
+    params = {"page": page, "spec": spec, "graphs": graphs, "overlap": overlap}
+    return pytest.param(params, id=name, marks=marks)
 
 
 # -- Triton through its interpreter (CPU) ------------------------------------------------
 
 INTERPRETER_CASES = [
     case(16, graphs=False),
+    case(4, overlap=True),  # decode scheduled ahead, its input ids gathered into graphs
     case(1, (3, 1, "EAGLE", True), graphs=False),
     case(4, (3, 4, "EAGLE", False)),  # the paged tree layout (seed 002), graph batches
     case(16, (3, 4, "EAGLE3", True), marks=pytest.mark.slow),
@@ -229,7 +235,12 @@ GPU_MATRIX = (
         for steps in (1, 3, 5)
         for overlap in (False, True)
     ]
-    + [case(page, graphs=graphs) for page in (1, 16) for graphs in (True, False)]
+    + [
+        case(page, graphs=graphs, overlap=overlap)
+        for page in (1, 16)
+        for graphs in (True, False)
+        for overlap in (False, True)
+    ]
     + [
         case(page, (3, topk, "EAGLE3", overlap))
         for page in (1, 16)

@@ -38,32 +38,45 @@ def references(tiny_models):
     return get
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+STRICT = {"strictMemCheck": 1}
+
+
+@OVERLAP
 @pytest.mark.parametrize("variant", ["gqa", "tied", "bias"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_equals_transformers(tiny_models, references, variant, page_size):
+def test_greedy_equals_transformers(tiny_models, references, variant, page_size, overlap):
     """Batch 1 and 16 concurrent mixed-length requests, chunked prefill on (chunk 8)."""
     prompts, expected = references(variant)
     engine = start_engine(
         tiny_models(variant),
         kvCache={"pageSize": page_size, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 8},
+        scheduler={"chunkedPrefillSize": 8, "overlap": overlap},
+        debug=STRICT,
     )
     check_exact_run(engine, prompts, expected, MAX_NEW)
 
 
-def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references):
+@OVERLAP
+def test_small_pool_retracts_and_output_is_unchanged(tiny_models, references, overlap):
     prompts, expected = references("gqa")
     engine = start_engine(
         tiny_models("gqa"),
         kvCache={"pageSize": 4, "maxTokens": 96},
-        scheduler={"chunkedPrefillSize": 64},
+        scheduler={"chunkedPrefillSize": 64, "overlap": overlap},
+        debug=STRICT,
     )
     check_small_pool_run(engine, prompts, expected, MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_models):
-    eng = start_engine(tiny_models("gqa"), kvCache={"maxTokens": 2048})
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(tiny_models, request):
+    eng = start_engine(
+        tiny_models("gqa"),
+        kvCache={"maxTokens": 2048},
+        scheduler={"overlap": request.param},
+        debug=STRICT,
+    )
     yield eng
     eng.shutdown()
 
@@ -125,6 +138,35 @@ def test_consumer_leaving_aborts_the_request(engine):
         time.sleep(0.02)
     assert metric_value(engine, "specd_aborts_total") == aborts_before + 1
     assert wait_idle(engine)
+
+
+def test_overlap_gives_the_synchronous_output(tiny_models):
+    """Plain decode under overlap scheduling launches decode N+1 before N is resolved and
+    still returns what one step at a time returns: greedy with stop tokens hit
+    mid-stream (the step in flight is dropped), max_tokens, and seeded sampling."""
+    prompts = random_prompts(8, 40, seed=5)
+    sync = start_engine(tiny_models("gqa"), debug=STRICT)
+    plain = run_all(sync, prompts, max_tokens=16, ignore_eos=True)
+    stops = tuple({tokens[5] for tokens, _, _ in plain})
+    runs = {
+        "stop": dict(max_tokens=16, stop_token_ids=stops, ignore_eos=True),
+        "sampled": dict(max_tokens=10, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
+    }
+    expected = {name: run_all(sync, prompts, **params) for name, params in runs.items()}
+    sync.shutdown()
+    assert any(len(t) < 16 for t, _, _ in expected["stop"])
+
+    overlapped = start_engine(tiny_models("gqa"), scheduler={"overlap": True}, debug=STRICT)
+    try:
+        for name, params in runs.items():
+            got = run_all(overlapped, prompts, **params)
+            assert [(t, x, d.finish_reason) for t, x, d in got] == [
+                (t, x, d.finish_reason) for t, x, d in expected[name]
+            ], name
+        assert metric_value(overlapped, "specd_engine_steps_launched_ahead_total") > 10
+        assert wait_idle(overlapped) and overlapped.status()["healthy"]
+    finally:
+        overlapped.shutdown()
 
 
 class WakeCountingLoop(asyncio.SelectorEventLoop):

@@ -29,6 +29,7 @@ MAX_NEW = 12
 CONFIGS = {
     "plain": {},
     "plain-page16": {"kvCache": {"pageSize": 16}},
+    "plain-overlap": {"scheduler": {"overlap": True}},
     "chain-overlap": {
         "speculative": {"numSteps": 3, "topk": 1, "numDraftTokens": 4},
         "scheduler": {"overlap": True, "chunkedPrefillSize": 16},

@@ -1,7 +1,7 @@
 """One level-based reconcile: ordered, idempotent ``ensure_*`` steps, then the gateway poll.
 
-    parse spec (pydantic only; never `refuse_unsupported`: the CR may carry fields
-    this build's engine refuses; the gateway reports those)
+    parse spec (pydantic only: what an engine refuses when it loads, such as an
+    attention backend that cannot serve the layout, the gateway reports)
       -> ensure ConfigMap -> [managed Ray: KubeRay served? -> ensure RayCluster]
       -> ensure gateway Deployment -> ensure Service -> [ensure ServiceMonitor]
       -> GET <gateway>/admin/status

@@ -404,15 +404,6 @@ def format_validation_error(err: ValidationError) -> str:
     return "invalid SpecDecodeDeployment:\n  " + "\n  ".join(lines)
 
 
-def refuse_unsupported(spec: DeploymentSpec) -> None:
-    """Refuse fields that parse but that this build cannot serve yet."""
-    if spec.scheduler.overlap and spec.speculative is None:
-        raise ConfigError(
-            "spec.scheduler.overlap: overlap scheduling applies to speculative decoding "
-            "(set spec.draft and spec.speculative); set it to false for plain decode"
-        )
-
-
 def parse_deployment(doc: dict[str, Any]) -> SpecDecodeDeployment:
     """Validate a parsed YAML/JSON document into a deployment (raises ConfigError)."""
     if not isinstance(doc, dict):
@@ -423,7 +414,6 @@ def parse_deployment(doc: dict[str, Any]) -> SpecDecodeDeployment:
         sdd = SpecDecodeDeployment.model_validate(doc)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
-    refuse_unsupported(sdd.spec)
     return sdd
 
 

@@ -64,6 +64,10 @@ class EngineMetrics:
         self.aborts = counter("specd_aborts", "Requests aborted before finishing")
         self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
         self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
+        self.steps_launched_ahead = counter(
+            "specd_engine_steps_launched_ahead",
+            "Steps launched before the previous one was resolved (overlap scheduling)",
+        )
         self.step_seconds = counter(
             "specd_engine_step_seconds",
             "Engine loop time by phase (host bookkeeping vs model)",

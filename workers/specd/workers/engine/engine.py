@@ -30,7 +30,7 @@ from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
 from specd.workers.engine.graph_runner import GraphRunner, default_sizes
-from specd.workers.engine.model_runner import ModelRunner
+from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.types import (
     FinishReason,
     GenerateDelta,
@@ -508,46 +508,76 @@ class Engine:
             self.metrics.step_seconds.labels(self.replica, phase).inc(seconds)
 
     def _synchronous_step(self) -> float:
-        """One batch start to finish; a verify under overlap is only launched.  Returns
-        the seconds spent waiting for the model."""
+        """One batch start to finish; under overlap a verify or a plain engine's batch is
+        only launched.  Returns the seconds spent waiting for the model."""
         batch = self._with_rung(self.scheduler.schedule())
         self._emit_failed()
         if batch is None:
             return 0.0
         self._count_step(batch)
         t1 = time.perf_counter()
-        if batch.verify:
-            future = self._submit_verify(batch)
+        if batch.verify or self.spec_decoder is None:
+            future = self._submit(batch)
             if self.overlap:
                 self._pending = (batch, future)
                 return time.perf_counter() - t1
-            out = future.result()
+            out = self._wait(batch, future)
             model_s = time.perf_counter() - t1
-            self._process_verify(batch, out)
+            self._process(batch, out)
             return model_s
         result = self._compute.run(self._extend_compute, batch)
         model_s = time.perf_counter() - t1
-        for req in self._process_extend(batch, result):
-            self._emit(req)
+        self._process(batch, result)
         return model_s
 
     def _overlapped_step(self) -> float:
-        """Launch verify N+1 (committed lengths lag by verify N), then process N.
-        Prefill chunks and retractions need the pipeline drained: then N+1 waits."""
+        """Launch step N+1 (committed lengths lag by step N), then process N.  Prefill
+        chunks, admissions and retractions need the pipeline drained: then N+1 waits."""
         batch, future = self._pending
-        nxt = None
-        if not self.scheduler.wants_extend():
-            nxt = self._with_rung(self.scheduler.schedule_verify(allow_retract=False))
-            self._emit_failed()
+        nxt = self._with_rung(self._schedule_ahead(batch))
+        self._emit_failed()
         self._pending = None
         if nxt is not None:
             self._count_step(nxt)
-            self._pending = (nxt, self._submit_verify(nxt))
+            self.metrics.steps_launched_ahead.inc()
+            self._pending = (nxt, self._submit(nxt))
         t1 = time.perf_counter()
-        out = future.result()
+        out = self._wait(batch, future)
         model_s = time.perf_counter() - t1
-        self._process_verify(batch, out)
+        self._process(batch, out)
         return model_s
+
+    def _schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """The batch to launch behind ``in_flight`` before it is resolved, if any."""
+        if self.spec_decoder is None:
+            return self.scheduler.schedule_decode_ahead(in_flight)
+        if self.scheduler.wants_extend():
+            return None
+        return self.scheduler.schedule_verify(allow_retract=False)
+
+    def _submit(self, batch: ScheduledBatch) -> Future:
+        """Queue a verify, or a plain engine's batch, on the compute thread."""
+        if batch.verify:
+            return self._compute.submit(
+                self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
+            )
+        if self.overlap:
+            return self._compute.submit(self.runner.launch, batch)
+        return self._compute.submit(self.runner.run, batch)
+
+    @staticmethod
+    def _wait(batch: ScheduledBatch, future: Future):
+        """The result of a batch ``_submit`` queued (a launched one's ids on the host)."""
+        out = future.result()
+        return out.wait() if isinstance(out, LaunchedStep) else out
+
+    def _process(self, batch: ScheduledBatch, out) -> None:
+        """Host side of a computed batch: resolve, stop rules, metrics, emit."""
+        if batch.verify:
+            self._process_verify(batch, out)
+            return
+        for req in self._process_extend(batch, out):
+            self._emit(req)
 
     def _with_rung(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         """Fix a verify batch's rung when it is scheduled: the adaptive controller's
@@ -562,22 +592,17 @@ class Engine:
             extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
         )
 
-    def _submit_verify(self, batch: ScheduledBatch) -> Future:
-        return self._compute.submit(
-            self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
-        )
-
     def _settle_pending(self) -> None:
-        """Shutdown or failure: let the verify in flight finish and account it, so its
+        """Shutdown or failure: let the step in flight finish and account it, so its
         requests' KV can be freed."""
         if self._pending is None:
             return
         batch, future = self._pending
         self._pending = None
         try:
-            self._process_verify(batch, future.result())
+            self._process(batch, self._wait(batch, future))
         except Exception:  # the loop is ending anyway; the KV is still freed below
-            log.exception("engine %s: verify in flight failed at shutdown", self.replica)
+            log.exception("engine %s: step in flight failed at shutdown", self.replica)
             for req in batch.reqs:
                 req.inflight_steps = 0
                 req.release_deferred = False

@@ -15,7 +15,7 @@ from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_m
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
-from specd.workers.engine.sampling import sample_next_tokens
+from specd.workers.engine.sampling import sample_token_tensor
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
@@ -47,6 +47,20 @@ def extend_layout(
         req_to_token, index[2 * num_tokens :], list(lens), kv_lens, custom_mask, ops
     )
     return positions, out_loc, meta
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A launched batch's sampled ids on their way to the host (``done``: the copy's
+    CUDA event; None on CPU, where the ids are already there)."""
+
+    host_tokens: torch.Tensor
+    done: torch.cuda.Event | None = None
+
+    def wait(self) -> RunnerOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        return RunnerOutput(tuple(self.host_tokens.tolist()))
 
 
 @dataclass(slots=True)
@@ -93,6 +107,9 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.backend = backend
         self.device = device
+        # each request row's last sampled id, kept on the device by ``launch``
+        self.last_sampled = torch.zeros(req_pool.num_rows + 1, dtype=torch.int64, device=device)
+        self._inputs_consumed: torch.cuda.Event | None = None  # see ``launch``
 
     def enable_decode_graphs(self, sizes: list[int], max_kv_len: int) -> GraphRunner:
         """Run decode batches of up to ``max(sizes)`` requests through graphs (the backend
@@ -136,23 +153,49 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Extend/decode forward + sampling.  With ``capture_layers`` (a speculative
         engine) the output also carries every row's hidden state and those layers'."""
+        tokens, hidden, aux = self._forward_and_sample(batch, capture_layers)
+        if capture_layers is None:
+            return RunnerOutput(tuple(tokens.tolist()))
+        return RunnerOutput(tuple(tokens.tolist()), hidden=hidden, aux=aux)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Overlap scheduling, plain decode: queue ``batch``'s forward and sampling and
+        return at once.  Its sampled ids stay on the device as the inputs of a batch
+        scheduled ahead of it (``ScheduledBatch.decode_ahead``), and reach the host through
+        a non-blocking copy that ``LaunchedStep.wait`` waits for."""
+        if self._inputs_consumed is not None:  # a backend may reuse host staging buffers
+            self._inputs_consumed.synchronize()
+            self._inputs_consumed = None
+        tokens, _, _ = self._forward_and_sample(batch, None)
+        sampled_rows = [r.kv.row for r in batch.sampled_reqs]
+        if sampled_rows:
+            self.last_sampled[host_tensor(sampled_rows, self.device)] = tokens
+        if self.device.type != "cuda":
+            return LaunchedStep(tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        if self._inputs_consumed is None:  # eager: the whole step read its inputs by now
+            self._inputs_consumed = done
+        return LaunchedStep(host, done)
+
+    def _forward_and_sample(
+        self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """-> (sampled ids [num_sampled] on the device, hidden, aux): the latter two only
+        with ``capture_layers``."""
+        rows = [r.kv.row for r in batch.reqs]
         positions, out_cache_loc, meta = extend_layout(
-            self.req_pool.req_to_token,
-            [r.kv.row for r in batch.reqs],
-            list(batch.prefix_lens),
-            list(batch.extend_lens),
+            self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens),
             ops=self.ops,
-        )
-        ids = [
-            t
-            for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True)
-            for t in req.fill_ids[start : start + n]
-        ]
-        input_ids = host_tensor(ids, self.device)  # [num_tokens]
+        )  # fmt: skip
+        input_ids = self._input_ids(batch, rows)  # [num_tokens]
         graph_size = self._decode_graph_size(batch, capture_layers)
         if graph_size is not None:
             logits = self._replay_decode(graph_size, input_ids, positions, out_cache_loc, meta)
-            return RunnerOutput(tuple(sample_next_tokens(logits, batch.sampled_reqs)))
+            return sample_token_tensor(logits, batch.sampled_reqs), None, None
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -161,13 +204,23 @@ class ModelRunner:
             hidden, aux = self.model.forward_with_aux(input_ids, positions, ctx, capture_layers)
         ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
         last = ends[torch.tensor(batch.sample, dtype=torch.bool)].to(self.device)
-        tokens: tuple[int, ...] = ()
+        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         if last.numel():
             logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab] float32
-            tokens = tuple(sample_next_tokens(logits, batch.sampled_reqs))
-        if capture_layers is None:
-            return RunnerOutput(tokens)
-        return RunnerOutput(tokens, hidden=hidden, aux=aux)
+            tokens = sample_token_tensor(logits, batch.sampled_reqs)
+        return tokens, hidden, aux
+
+    def _input_ids(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
+        """The batch's token ids on the device: from the requests' known tokens, or (a
+        batch scheduled ahead) the ids the previous launch sampled into ``last_sampled``."""
+        if batch.decode_ahead:
+            return self.last_sampled[host_tensor(rows, self.device)]
+        ids = [
+            t
+            for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, strict=True)
+            for t in req.fill_ids[start : start + n]
+        ]
+        return host_tensor(ids, self.device)
 
     def _decode_graph_size(
         self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None
@@ -189,4 +242,7 @@ class ModelRunner:
         b.out_loc[:bs].copy_(out_loc)
         b.out_loc[bs:].fill_(self.kv_pool.pad_slot)
         self.backend.update_graph_plan(b.plan, pad_metadata(meta, b.shape, self.kv_pool.pad_slot))
+        if self.device.type == "cuda":  # every input is queued: ``launch`` N+1 may plan
+            self._inputs_consumed = torch.cuda.Event()
+            self._inputs_consumed.record()
         return self.decode_graphs.run(size)[:bs]

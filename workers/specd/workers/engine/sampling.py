@@ -30,23 +30,25 @@ def filtered_probs(
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = torch.cumsum(sorted_probs, -1) - sorted_probs >= top_p
-        sorted_probs[drop] = 0.0
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)  # no boolean indexing: no sync
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs /= probs.sum(-1, keepdim=True)
     return probs
 
 
-def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-    """logits [len(reqs), V] float32 -> one token id per request."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
+def sample_token_tensor(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """logits [len(reqs), V] float32 -> one token id per request, int64 [len(reqs)] on
+    the logits' device (no device sync: the caller copies the ids to the host once)."""
+    tokens = logits.argmax(dim=-1)
     for i, req in enumerate(reqs):
         p = req.params
-        if p.greedy:
-            out.append(greedy[i])
-            continue
-        probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
-        out.append(
-            int(torch.multinomial(probs, 1, generator=request_generator(req, logits.device)))
-        )
-    return out
+        if not p.greedy:
+            probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
+            generator = request_generator(req, logits.device)
+            tokens[i : i + 1] = torch.multinomial(probs, 1, generator=generator)
+    return tokens
+
+
+def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    """logits [len(reqs), V] float32 -> one token id per request, on the host."""
+    return sample_token_tensor(logits, reqs).tolist()

@@ -26,6 +26,9 @@ class ScheduledBatch:
     # whether the load policy made it plain; KV is sized for the widest rung regardless
     rung: Rung | None = None
     plain_by_load: bool = False
+    # overlap, plain decode: scheduled while the previous batch computes; each request's
+    # input is the token that batch samples for it, read on the device (never on the host)
+    decode_ahead: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -34,7 +34,7 @@ class Req:
     sampler_state: Any = None  # per-request torch.Generator, owned by the sampler
     detok_state: Any = None  # incremental detokenizer state, owned by the engine
     spec_ready: bool = False  # prompt cached and first token sampled: verify steps can run
-    inflight_steps: int = 0  # verify steps launched whose results are not processed yet
+    inflight_steps: int = 0  # steps scheduled for it whose results are not processed yet
     release_deferred: bool = False  # finished while a step was in flight: free KV after it
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0

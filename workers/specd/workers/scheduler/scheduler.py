@@ -24,7 +24,7 @@ from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.sessions import SessionStore
-from specd.workers.scheduler.stop import check_stop
+from specd.workers.scheduler.stop import check_stop, reaches_length_limit
 from specd.workers.speculative.accounting import (
     preclaim_bonus_slot,
     resolve_committed,
@@ -142,15 +142,43 @@ class Scheduler:
             picked.append((req, take))
             budget -= take
         picked += self._admit(budget)
-        picked = [(r, n) for r, n in picked if r.status is RequestStatus.RUNNING]
-        if not picked:
-            return None
-        return ScheduledBatch(
-            reqs=tuple(r for r, _ in picked),
-            prefix_lens=tuple(r.kv.committed for r, _ in picked),
-            extend_lens=tuple(n for _, n in picked),
-            sample=tuple(r.kv.committed + n == r.num_fill for r, n in picked),
+        return self._launch(
+            [
+                (r, r.kv.committed, n, r.kv.committed + n == r.num_fill)
+                for r, n in picked
+                if r.status is RequestStatus.RUNNING
+            ]
         )
+
+    def schedule_decode_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """Overlap scheduling, plain decode: the decode step after ``in_flight``, picked
+        while that batch computes.  Each request reads the token ``in_flight`` samples for
+        it (on the device) at the position after that batch's tokens; one whose pending
+        token ends it by length sits out.  None, and the pipeline drains, when a request
+        is waiting or mid-prefill, or the pool would need a retraction: admission and
+        retraction happen between resolved batches."""
+        if self.waiting:
+            return None
+        next_position = {
+            id(r): start + n
+            for r, start, n, sampled in zip(
+                in_flight.reqs, in_flight.prefix_lens, in_flight.extend_lens, in_flight.sample,
+                strict=True,
+            )
+            if sampled
+        }  # fmt: skip
+        if any(id(r) not in next_position for r in self.running):
+            return None
+        spans = []
+        with self.kv.batched_writes():
+            for req in self.running:
+                if reaches_length_limit(req, self.config.context_length, pending=1):
+                    continue
+                position = next_position[id(req)]
+                if not self.kv.grow(req.kv, position + 1):
+                    return None
+                spans.append((req, position, 1, True))
+        return self._launch(spans, decode_ahead=True)
 
     def schedule_verify(self, allow_retract: bool = True) -> ScheduledBatch | None:
         """Grow every drafting request to ``committed + reserve`` and pre-claim its root.
@@ -183,19 +211,24 @@ class Scheduler:
                 continue
             picked.append(req)
         picked = [r for r in picked if r.status is RequestStatus.RUNNING]
-        if not picked:
-            return None
         for req in picked:
             preclaim_bonus_slot(req.kv)
-            req.inflight_steps += 1
-        return ScheduledBatch(
-            reqs=tuple(picked),
-            prefix_lens=tuple(r.num_fill - 1 for r in picked),
-            extend_lens=tuple(spec.max_draft_tokens for _ in picked),
-            sample=tuple(True for _ in picked),
+        return self._launch(
+            [(r, r.num_fill - 1, spec.max_draft_tokens, True) for r in picked],
             verify=True,
             granted_lens=tuple(r.kv.allocated for r in picked),
         )
+
+    @staticmethod
+    def _launch(spans: list[tuple[Req, int, int, bool]], **fields) -> ScheduledBatch | None:
+        """The batch of ``spans`` (request, first position, tokens, whether it samples),
+        each request now counted as having a step in flight; None if empty."""
+        if not spans:
+            return None
+        for req, *_ in spans:
+            req.inflight_steps += 1
+        reqs, starts, lens, sample = zip(*spans, strict=True)
+        return ScheduledBatch(reqs, starts, lens, sample, **fields)
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         admitted = []
@@ -268,12 +301,20 @@ class Scheduler:
     def process_result(self, batch: ScheduledBatch, result: RunnerOutput) -> list[Req]:
         """Commit the computed KV, append sampled tokens, finish stopped requests.
 
-        Returns the requests that received a new token (finished ones included)."""
+        Returns the requests that received a new token (finished ones included; not
+        those that finished while this step was in flight, whose result is dropped)."""
+        dropped = set()
         for req, extend in zip(batch.reqs, batch.extend_lens, strict=True):
+            if not self._step_landed(req):
+                dropped.add(id(req))
+                continue
             req.kv.committed += extend
             req.kv.assert_lengths(self.kv.row_width)
-        updated = batch.sampled_reqs
-        for req, token in zip(updated, result.next_token_ids, strict=True):
+        updated = []
+        for req, token in zip(batch.sampled_reqs, result.next_token_ids, strict=True):
+            if id(req) in dropped:
+                continue
+            updated.append(req)
             req.output_ids.append(token)
             reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
             if reason is not None:
@@ -288,11 +329,9 @@ class Scheduler:
         stays over-allocated until the request is freed)."""
         updated = []
         for req, tokens in zip(batch.reqs, new_tokens, strict=True):
-            req.inflight_steps -= 1
             if req.finished:  # finished while this step was in flight: drop its result
                 return_preclaimed_slot(req.kv)
-                if req.release_deferred and not req.inflight_steps:
-                    self._release(req)
+            if not self._step_landed(req):
                 continue
             updated.append(req)
             resolve_committed(req.kv, len(tokens))
@@ -308,6 +347,16 @@ class Scheduler:
                     break
             req.kv.assert_lengths(self.kv.row_width)
         return updated
+
+    def _step_landed(self, req: Req) -> bool:
+        """A step of ``req`` in flight is done: False if ``req`` finished meanwhile (the
+        result is dropped; its KV is freed once no step of it is in flight)."""
+        req.inflight_steps -= 1
+        if not req.finished:
+            return True
+        if req.release_deferred and not req.inflight_steps:
+            self._release(req)
+        return False
 
     def check_committed_lengths(self) -> None:
         """Strict mode (seed 004): a drafting request's committed length is every token

@@ -12,6 +12,13 @@ def check_stop(req: Req, eos_token_ids: frozenset[int], context_length: int) -> 
     params = req.params
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
         return FinishReason.STOP
-    if len(req.output_ids) >= params.max_tokens or req.num_fill >= context_length:
+    if reaches_length_limit(req, context_length):
         return FinishReason.LENGTH
     return None
+
+
+def reaches_length_limit(req: Req, context_length: int, pending: int = 0) -> bool:
+    """``req`` is at ``max_tokens`` or the context length once ``pending`` more output
+    tokens (sampled on the device, not yet appended) are in."""
+    outputs = len(req.output_ids) + pending
+    return outputs >= req.params.max_tokens or req.num_fill + pending >= context_length
