@@ -76,6 +76,11 @@ def run_case(pair, backend, case, expected, prompts, **extra):
             **extra,
         )
     check_backend_run(engine, backend, prompts, expected)
+    if case["spec"] is None and case["graphs"]:
+        # every decode batch, scheduled ahead (most of them under overlap) or not, replays
+        ahead = metric_value(engine, "specd_engine_steps_launched_ahead_total")
+        assert (ahead > 0) == case["overlap"]
+        assert engine.graphs.replays >= max(ahead, 1)
 
 
 def case(page, spec=None, graphs=True, overlap=False, marks=()):
