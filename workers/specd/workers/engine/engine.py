@@ -516,18 +516,13 @@ class Engine:
             return 0.0
         self._count_step(batch)
         t1 = time.perf_counter()
-        if batch.verify or self.spec_decoder is None:
-            future = self._submit(batch)
-            if self.overlap:
-                self._pending = (batch, future)
-                return time.perf_counter() - t1
-            out = self._wait(batch, future)
-            model_s = time.perf_counter() - t1
-            self._process(batch, out)
-            return model_s
-        result = self._compute.run(self._extend_compute, batch)
+        future = self._submit(batch)
+        if self._pipelined(batch):
+            self._pending = (batch, future)
+            return time.perf_counter() - t1
+        out = self._wait(batch, future)
         model_s = time.perf_counter() - t1
-        self._process(batch, result)
+        self._process(batch, out)
         return model_s
 
     def _overlapped_step(self) -> float:
@@ -555,15 +550,21 @@ class Engine:
             return None
         return self.scheduler.schedule_verify(allow_retract=False)
 
+    def _pipelined(self, batch: ScheduledBatch) -> bool:
+        """Under overlap, a verify or a plain engine's batch is only launched and stays in
+        flight while the next one is scheduled (a speculative engine's prefill is not)."""
+        return self.overlap and (batch.verify or self.spec_decoder is None)
+
     def _submit(self, batch: ScheduledBatch) -> Future:
-        """Queue a verify, or a plain engine's batch, on the compute thread."""
+        """Queue ``batch`` on the compute thread: a verify, a launch of a pipelined batch,
+        or an extend run start to finish."""
         if batch.verify:
             return self._compute.submit(
                 self.spec_decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
             )
-        if self.overlap:
+        if self._pipelined(batch):
             return self._compute.submit(self.runner.launch, batch)
-        return self._compute.submit(self.runner.run, batch)
+        return self._compute.submit(self._extend_compute, batch)
 
     @staticmethod
     def _wait(batch: ScheduledBatch, future: Future):

@@ -15,7 +15,7 @@ from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_m
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
-from specd.workers.engine.sampling import sample_token_tensor
+from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
@@ -167,7 +167,7 @@ class ModelRunner:
         if self._inputs_consumed is not None:  # a backend may reuse host staging buffers
             self._inputs_consumed.synchronize()
             self._inputs_consumed = None
-        tokens, _, _ = self._forward_and_sample(batch, None)
+        tokens, _, _ = self._forward_and_sample(batch, None, launching=True)
         sampled_rows = [r.kv.row for r in batch.sampled_reqs]
         if sampled_rows:
             self.last_sampled[host_tensor(sampled_rows, self.device)] = tokens
@@ -182,10 +182,13 @@ class ModelRunner:
         return LaunchedStep(host, done)
 
     def _forward_and_sample(
-        self, batch: ScheduledBatch, capture_layers: tuple[int, ...] | None
+        self,
+        batch: ScheduledBatch,
+        capture_layers: tuple[int, ...] | None,
+        launching: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """-> (sampled ids [num_sampled] on the device, hidden, aux): the latter two only
-        with ``capture_layers``."""
+        with ``capture_layers``.  ``launching``: called by ``launch`` (see there)."""
         rows = [r.kv.row for r in batch.reqs]
         positions, out_cache_loc, meta = extend_layout(
             self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens),
@@ -194,8 +197,10 @@ class ModelRunner:
         input_ids = self._input_ids(batch, rows)  # [num_tokens]
         graph_size = self._decode_graph_size(batch, capture_layers)
         if graph_size is not None:
-            logits = self._replay_decode(graph_size, input_ids, positions, out_cache_loc, meta)
-            return sample_token_tensor(logits, batch.sampled_reqs), None, None
+            logits = self._replay_decode(
+                graph_size, input_ids, positions, out_cache_loc, meta, launching
+            )
+            return sample_next_tokens(logits, batch.sampled_reqs), None, None
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -207,7 +212,7 @@ class ModelRunner:
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         if last.numel():
             logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab] float32
-            tokens = sample_token_tensor(logits, batch.sampled_reqs)
+            tokens = sample_next_tokens(logits, batch.sampled_reqs)
         return tokens, hidden, aux
 
     def _input_ids(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
@@ -232,9 +237,12 @@ class ModelRunner:
             return None
         return self.decode_graphs.size_for(len(batch.reqs))
 
-    def _replay_decode(self, size, input_ids, positions, out_loc, meta) -> torch.Tensor:
+    def _replay_decode(
+        self, size, input_ids, positions, out_loc, meta, launching: bool
+    ) -> torch.Tensor:
         """Fill the bucket of ``size`` (pad rows write to the pad slot), replay -> logits
-        [bs, vocab] of the real rows."""
+        [bs, vocab] of the real rows.  ``launching`` on CUDA: record when every input is
+        queued, so the next ``launch`` may plan before this replay has run."""
         b = self.decode_graphs.bucket(size)
         bs = input_ids.numel()
         b.input_ids[:bs].copy_(input_ids)
@@ -242,7 +250,7 @@ class ModelRunner:
         b.out_loc[:bs].copy_(out_loc)
         b.out_loc[bs:].fill_(self.kv_pool.pad_slot)
         self.backend.update_graph_plan(b.plan, pad_metadata(meta, b.shape, self.kv_pool.pad_slot))
-        if self.device.type == "cuda":  # every input is queued: ``launch`` N+1 may plan
+        if launching and self.device.type == "cuda":
             self._inputs_consumed = torch.cuda.Event()
             self._inputs_consumed.record()
         return self.decode_graphs.run(size)[:bs]

@@ -36,7 +36,7 @@ def filtered_probs(
     return probs
 
 
-def sample_token_tensor(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """logits [len(reqs), V] float32 -> one token id per request, int64 [len(reqs)] on
     the logits' device (no device sync: the caller copies the ids to the host once)."""
     tokens = logits.argmax(dim=-1)
@@ -47,8 +47,3 @@ def sample_token_tensor(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
             generator = request_generator(req, logits.device)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=generator)
     return tokens
-
-
-def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-    """logits [len(reqs), V] float32 -> one token id per request, on the host."""
-    return sample_token_tensor(logits, reqs).tolist()
