@@ -3,13 +3,12 @@
 Requests enter through ``generate`` (an async generator of ``GenerateDelta``) and
 ``abort``; both only post to an inbox.  The loop thread is the single owner of the
 scheduler, the KV memory and the model: it drains the inbox between steps, runs one
-step, and posts deltas back to each request's asyncio queue.
+step, and posts deltas back to each request's asyncio queue (``output.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -19,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,15 +26,14 @@ from specd.kernels import available_backends, get_backend, resolve_backend_name
 from specd.kernels.ops import ops_for_backend
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.bench_knobs import BenchKnobs
-from specd.workers.engine.detokenizer import IncrementalDetokenizer
 from specd.workers.engine.graph_runner import GraphRunner, default_sizes
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
+from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
 from specd.workers.engine.types import (
     FinishReason,
     GenerateDelta,
     GenerateRequest,
     InvalidRequest,
-    Usage,
 )
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
@@ -118,27 +115,6 @@ class _Compute:
             self._pool.shutdown(wait=True)
 
 
-@dataclass(slots=True)
-class _Stream:
-    """Where a request's deltas go: an asyncio queue on the caller's loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    req: Req
-    session_id: str | None = None  # a turn of this session (history joined on the loop)
-    detok: IncrementalDetokenizer | None = None  # made on the loop, once the prompt is known
-    sent_tokens: int = 0
-
-
-Deliveries = list[tuple[asyncio.Queue, GenerateDelta]]  # (a stream's queue, its delta)
-
-
-def _deliver(items: Deliveries) -> None:
-    """On a consumer's event loop: put each delta on its stream's queue."""
-    for queue_, delta in items:
-        queue_.put_nowait(delta)
-
-
 class Engine:
     def __init__(
         self,
@@ -158,9 +134,6 @@ class Engine:
         self.last_error: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        # deltas of this loop pass, per consumer loop (``_send``, ``_flush_outbox``)
-        self._outbox: dict[asyncio.AbstractEventLoop, Deliveries] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._status: dict = {}
@@ -172,7 +145,7 @@ class Engine:
             int(os.environ.get("SPECD_STRICT_MEM_CHECK", "0") or 0)
         )
         self._idle_checked = False  # the idle leak check ran since the last work
-        self._parked: list[_Stream] = []  # turns waiting for their session's last turn
+        self._parked: list[RequestStream] = []  # turns waiting for their session's last turn
         self._next_expiry = 0.0
 
     # -- construction ------------------------------------------------------
@@ -256,6 +229,7 @@ class Engine:
             self.kv,
         )
         self.scheduler.sessions = self.sessions
+        self.outputs = OutputProcessor(self.metrics, self.tokenizer, self.scheduler.finish)
         if self.spec_decoder is not None:
             self.scheduler.on_release = self._forget_draft_state
         self._refresh_status()
@@ -395,19 +369,19 @@ class Engine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream deltas until one is finished; leaving early aborts the request."""
         if not self.healthy:
-            yield self._error_delta(request.rid, f"engine unhealthy: {self.last_error}", 503)
+            yield error_delta(request.rid, f"engine unhealthy: {self.last_error}", 503)
             return
         try:
             self.validate(request)
         except InvalidRequest as err:
-            yield self._error_delta(request.rid, str(err), getattr(err, "code", 400))
+            yield error_delta(request.rid, str(err), getattr(err, "code", 400))
             return
         req = Req(
             rid=request.rid or uuid.uuid4().hex,
             prompt_ids=list(request.prompt_ids),
             params=request.params,
         )
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
+        stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
         self._post(("add", stream))
         finished = False
         try:
@@ -445,12 +419,6 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    @staticmethod
-    def _error_delta(rid: str, message: str, code: int) -> GenerateDelta:
-        return GenerateDelta(
-            rid=rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_code=code
-        )
-
     def _post(self, item) -> None:
         self._inbox.put(item)
         self._wake.set()
@@ -462,14 +430,14 @@ class Engine:
                 self._drain_inbox()
                 self._expire_sessions()
                 if not self.scheduler.has_work() and self._pending is None:
-                    self._flush_outbox()
+                    self.outputs.flush()
                     self._refresh_status()
                     self._on_idle()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
                 self.step()
-                self._flush_outbox()
+                self.outputs.flush()
         except Exception as err:  # the loop must never die silently
             log.exception("engine %s loop failed", self.replica)
             self.healthy = False
@@ -478,7 +446,7 @@ class Engine:
         finally:
             self._settle_pending()
             self._abort_all()
-            self._flush_outbox()
+            self.outputs.flush()
             self._compute.shutdown()
 
     def step(self) -> None:
@@ -578,7 +546,7 @@ class Engine:
             self._process_verify(batch, out)
             return
         for req in self._process_extend(batch, out):
-            self._emit(req)
+            self.outputs.emit(req)
 
     def _with_rung(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         """Fix a verify batch's rung when it is scheduled: the adaptive controller's
@@ -616,7 +584,7 @@ class Engine:
 
     def _emit_failed(self) -> None:
         for req in self.scheduler.failed:
-            self._emit(req)
+            self.outputs.emit(req)
         self.scheduler.failed.clear()
 
     def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -662,7 +630,7 @@ class Engine:
         self.metrics.observe_verify(accepted, batch.rung.draft_tokens - 1)
         self._observe_rung(batch, out)
         for req in updated:
-            self._emit(req)
+            self.outputs.emit(req)
 
     def _observe_rung(self, batch: ScheduledBatch, out) -> None:
         """Feed the batch's acceptance (probe hits on the plain rung) to the adaptive
@@ -702,9 +670,9 @@ class Engine:
             return
         if (req := self.scheduler.abort(rid)) is not None:
             self.metrics.aborts.inc()
-            self._emit(req)
+            self.outputs.emit(req)
 
-    def _add(self, stream: _Stream) -> None:
+    def _add(self, stream: RequestStream) -> None:
         """Queue a request; a session turn first joins its session's history and KV."""
         req = stream.req
         if stream.session_id is not None:
@@ -718,10 +686,9 @@ class Engine:
                 self._parked.append(stream)
                 return
             except InvalidRequest as err:
-                self._send(stream, self._error_delta(req.rid, str(err), getattr(err, "code", 400)))
+                self.outputs.send(stream, error_delta(req.rid, str(err), getattr(err, "code", 400)))
                 return
-        stream.detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), req.params.stop)
-        self._streams[req.rid] = stream
+        self.outputs.open(stream)
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(req.prompt_ids) - req.cached_tokens)
 
@@ -738,86 +705,6 @@ class Engine:
             self._next_expiry = now + _SESSION_EXPIRY_EVERY_S
             if self.sessions.expire(now):
                 self._idle_checked = False
-
-    def _emit(self, req: Req) -> None:
-        """Send ``req``'s new tokens and text; finish it on a stop string."""
-        stream = self._streams.get(req.rid)
-        if stream is None:
-            return
-        now = time.monotonic()
-        text = self._feed_detokenizer(req, stream)
-        if stream.detok.stopped and not req.finished:
-            self.scheduler.finish(req, FinishReason.STOP)
-            text += stream.detok.feed(req.fill_ids, final=True)
-        new_tokens = req.output_ids[stream.sent_tokens :]
-        if new_tokens:
-            self._observe_token_times(req, now, len(new_tokens))
-        stream.sent_tokens = len(req.output_ids)
-        delta = GenerateDelta(
-            rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished
-        )
-        if req.finished:
-            delta = self._finish_delta(req, delta, now)
-            del self._streams[req.rid]
-        self._send(stream, delta)
-
-    def _send(self, stream: _Stream, delta: GenerateDelta) -> None:
-        """Queue ``delta`` for the stream's consumer (``_flush_outbox`` hands it over)."""
-        self._outbox.setdefault(stream.loop, []).append((stream.queue, delta))
-
-    def _flush_outbox(self) -> None:
-        """Hand this loop pass's deltas to their consumers: one wake-up per event loop,
-        not one per request and step."""
-        outbox, self._outbox = self._outbox, {}
-        for loop, items in outbox.items():
-            with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
-                loop.call_soon_threadsafe(_deliver, items)
-
-    @staticmethod
-    def _feed_detokenizer(req: Req, stream: _Stream) -> str:
-        """New text of ``req``.  With stop strings and several new tokens (a verify step
-        adds up to S + 1), tokens are fed one at a time and those after the token that
-        completes a stop string are dropped, as if they had come one step at a time."""
-        new = len(req.output_ids) - stream.sent_tokens
-        if not stream.detok.stop or new <= 1:
-            return stream.detok.feed(req.fill_ids, final=req.finished)
-        base = len(req.prompt_ids) + stream.sent_tokens
-        text = ""
-        for i in range(1, new + 1):
-            text += stream.detok.feed(req.fill_ids[: base + i], final=req.finished and i == new)
-            if stream.detok.stopped:
-                del req.output_ids[stream.sent_tokens + i :]
-                break
-        return text
-
-    def _observe_token_times(self, req: Req, now: float, count: int) -> None:
-        self.metrics.generation_tokens.inc(count)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.metrics.ttft.observe(now - req.arrival_time)
-        elif req.last_token_time is not None:
-            self.metrics.itl.observe(now - req.last_token_time)
-        req.last_token_time = now
-
-    def _finish_delta(self, req: Req, delta: GenerateDelta, now: float) -> GenerateDelta:
-        self.metrics.e2e.observe(now - req.arrival_time)
-        self.metrics.finished.labels(self.replica, req.finish_reason.value).inc()
-        usage = Usage(
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            spec_verify_steps=req.spec_verify_steps,
-            spec_accepted_tokens=req.spec_accepted_tokens,
-        )
-        return GenerateDelta(
-            rid=delta.rid,
-            token_ids=delta.token_ids,
-            text=delta.text,
-            finished=True,
-            finish_reason=req.finish_reason,
-            usage=usage,
-            error=req.error,
-        )
 
     def _leak_check(self, mode: str) -> None:
         """Balance both pools against the live requests and idle sessions (DESIGN §5);
@@ -863,12 +750,11 @@ class Engine:
             self._leak_check("idle")
 
     def _abort_all(self) -> None:
-        for rid in list(self._streams):
-            req = self._streams[rid].req
+        for req in self.outputs.live_requests():
             self.scheduler.finish(req, FinishReason.ABORT if self.healthy else FinishReason.ERROR)
             if not self.healthy:
                 req.error = self.last_error
-            self._emit(req)
+            self.outputs.emit(req)
 
     def _refresh_status(self) -> None:
         s, a = self.scheduler, self.allocator

@@ -1,0 +1,157 @@
+"""Request output on the loop thread: each request's stream, its new tokens and text
+(stop strings applied), the token-time metrics, and the hand-over of deltas to the
+consumers' event loops, batched to one wake-up per loop per engine loop pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specd.workers.engine.detokenizer import IncrementalDetokenizer
+from specd.workers.engine.types import FinishReason, GenerateDelta, Usage
+from specd.workers.metrics import EngineMetrics
+from specd.workers.scheduler.request import Req
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Where a request's deltas go: an asyncio queue on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    req: Req
+    session_id: str | None = None  # a turn of this session (history joined on the loop)
+    detok: IncrementalDetokenizer | None = None  # made on the loop, once the prompt is known
+    sent_tokens: int = 0
+
+
+Deliveries = list[tuple[asyncio.Queue, GenerateDelta]]  # (a stream's queue, its delta)
+
+
+def _deliver(items: Deliveries) -> None:
+    """On a consumer's event loop: put each delta on its stream's queue."""
+    for queue_, delta in items:
+        queue_.put_nowait(delta)
+
+
+def error_delta(rid: str, message: str, code: int) -> GenerateDelta:
+    """The one delta of a request refused or failed with HTTP status ``code``."""
+    return GenerateDelta(
+        rid=rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_code=code
+    )
+
+
+class OutputProcessor:
+    """The streams of the requests in the scheduler, keyed by request id.
+
+    ``finish`` ends a request in the scheduler; it is called when the text reaches a
+    stop string (a stop the scheduler cannot see: it works on token ids).
+    """
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        tokenizer: object,
+        finish: Callable[[Req, FinishReason], None],
+    ):
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self.streams: dict[str, RequestStream] = {}
+        # deltas of this loop pass, per consumer loop (``send``, ``flush``)
+        self._outbox: dict[asyncio.AbstractEventLoop, Deliveries] = {}
+
+    def open(self, stream: RequestStream) -> None:
+        """Start streaming ``stream.req`` (its prompt is final: a session turn's history
+        is joined)."""
+        req = stream.req
+        stream.detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), req.params.stop)
+        self.streams[req.rid] = stream
+
+    def live_requests(self) -> list[Req]:
+        return [stream.req for stream in self.streams.values()]
+
+    def emit(self, req: Req) -> None:
+        """Send ``req``'s new tokens and text; finish it on a stop string."""
+        stream = self.streams.get(req.rid)
+        if stream is None:
+            return
+        now = time.monotonic()
+        text = self._new_text(req, stream)
+        if stream.detok.stopped and not req.finished:
+            self.finish(req, FinishReason.STOP)
+            text += stream.detok.feed(req.fill_ids, final=True)
+        new_tokens = req.output_ids[stream.sent_tokens :]
+        if new_tokens:
+            self._observe_token_times(req, now, len(new_tokens))
+        stream.sent_tokens = len(req.output_ids)
+        delta = GenerateDelta(
+            rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished
+        )
+        if req.finished:
+            delta = self._finish_delta(req, delta, now)
+            del self.streams[req.rid]
+        self.send(stream, delta)
+
+    def send(self, stream: RequestStream, delta: GenerateDelta) -> None:
+        """Queue ``delta`` for the stream's consumer (``flush`` hands it over)."""
+        self._outbox.setdefault(stream.loop, []).append((stream.queue, delta))
+
+    def flush(self) -> None:
+        """Hand this loop pass's deltas to their consumers: one wake-up per event loop,
+        not one per request and step."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
+                loop.call_soon_threadsafe(_deliver, items)
+
+    @staticmethod
+    def _new_text(req: Req, stream: RequestStream) -> str:
+        """New text of ``req``.  With stop strings and several new tokens (a verify step
+        adds up to S + 1), tokens are fed one at a time and those after the token that
+        completes a stop string are dropped, as if they had come one step at a time."""
+        new = len(req.output_ids) - stream.sent_tokens
+        if not stream.detok.stop or new <= 1:
+            return stream.detok.feed(req.fill_ids, final=req.finished)
+        base = len(req.prompt_ids) + stream.sent_tokens
+        text = ""
+        for i in range(1, new + 1):
+            text += stream.detok.feed(req.fill_ids[: base + i], final=req.finished and i == new)
+            if stream.detok.stopped:
+                del req.output_ids[stream.sent_tokens + i :]
+                break
+        return text
+
+    def _observe_token_times(self, req: Req, now: float, count: int) -> None:
+        self.metrics.generation_tokens.inc(count)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        elif req.last_token_time is not None:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def _finish_delta(self, req: Req, delta: GenerateDelta, now: float) -> GenerateDelta:
+        """The last delta: finish reason and usage; counts the finish."""
+        self.metrics.e2e.observe(now - req.arrival_time)
+        self.metrics.finished.labels(self.metrics.replica, req.finish_reason.value).inc()
+        usage = Usage(
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            spec_verify_steps=req.spec_verify_steps,
+            spec_accepted_tokens=req.spec_accepted_tokens,
+        )
+        return GenerateDelta(
+            rid=delta.rid,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            finished=True,
+            finish_reason=req.finish_reason,
+            usage=usage,
+            error=req.error,
+        )
