@@ -84,7 +84,7 @@ def test_weightless_folder_needs_the_knob(bare_pair):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dummy_target_is_small_random_on_device(bare_pair, dtype):
-    model, _ = load_model(bare_pair[0], dtype=dtype, prepack_cpu=False, dummy=True)
+    model, _ = load_model(bare_pair[0], dtype=dtype, inference_layout=False, dummy=True)
     for name, t in model.state_dict().items():
         assert t.dtype == dtype and t.device.type == "cpu", name
         if name.endswith("norm.weight"):

@@ -161,7 +161,9 @@ def test_checkpoints_use_published_names_and_load(case, targets, tmp_path):
         own = table
     assert config["num_hidden_layers"] == 1 and config["vocab_size"] == target.config.vocab_size
     assert _shapes(raw) == table
-    draft, draft_config = load_draft(folder, algorithm, target, target.config, prepack_cpu=False)
+    draft, draft_config = load_draft(
+        folder, algorithm, target, target.config, inference_layout=False
+    )
     assert _shapes(draft.state_dict()) == own  # the target's embedding is not duplicated
     assert draft_config.num_kv_layers == 1
 
@@ -189,7 +191,7 @@ def test_auto_dtype_follows_the_target_and_keeps_the_id_map(targets, tmp_path):
     target_dir, _, _ = targets("gqa")
     target, config = load_model(target_dir, dtype="bfloat16")
     folder = make_tiny_eagle3(tmp_path, target_dir)  # float32 on disk
-    draft, _ = load_draft(folder, "EAGLE3", target, config, prepack_cpu=False)
+    draft, _ = load_draft(folder, "EAGLE3", target, config, inference_layout=False)
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     assert draft.d2t.dtype == torch.int64 and draft.t2d.dtype == torch.bool
     assert torch.equal(draft.d2t, _read_raw(folder)["d2t"])

@@ -15,6 +15,7 @@ from specd.kernels import build_attention_metadata, get_backend
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.model.config import ModelConfig, ModelLoadError, parse_rope
 from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.inference_layout import fuse_projections, stack_linears
 from specd.workers.model.loader import load_model
 from specd.workers.model.rope import RotaryEmbedding
 from specd.workers.model.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
@@ -277,7 +278,7 @@ def test_bf16_load_and_forward(tmp_path, gqa_dir):
     model, _ = load_model(gqa_dir, dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     bf16_dir = make_tiny_checkpoint(tmp_path, variant="tied", dtype="bfloat16")
-    model, config = load_model(bf16_dir, prepack_cpu=False)  # auto = the checkpoint's dtype
+    model, config = load_model(bf16_dir, inference_layout=False)  # auto = the checkpoint's dtype
     assert config.torch_dtype == "bfloat16"
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -307,6 +308,40 @@ def test_load_ignores_rope_buffer_and_reports_missing_folder_and_shard(broken_di
     (sharded / "model-00002-of-00007.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="model-00002-of-00007.safetensors"):
         load_model(sharded)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "bias"])
+@torch.no_grad()
+def test_inference_layout_fuses_projections_and_keeps_outputs(variant, tmp_path):
+    """Loading fuses q/k/v and gate/up (biases too); the checkpoint layout, kept with
+    ``inference_layout=False``, gives the same logits."""
+    path = make_tiny_checkpoint(tmp_path, variant=variant)
+    fused, config = load_model(path, dtype="float32")
+    plain, _ = load_model(path, dtype="float32", inference_layout=False)
+    assert set(plain.state_dict()) == set(load_file(path / "model.safetensors"))
+    for layer in fused.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert not hasattr(attn, "q_proj") and not hasattr(mlp, "gate_proj")
+        assert attn.qkv_proj.out_features == sum(attn.qkv_sizes)
+        assert (attn.qkv_proj.bias is not None) == config.attention_bias
+        assert mlp.gate_up_proj.out_features == 2 * config.intermediate_size
+    prompts = _prompts(config.vocab_size, (6, 1, 9))
+    rows = list(range(len(prompts)))
+    got = PagedRunner(fused, page_size=4, num_pages=16, shuffle=True).extend(rows, prompts)
+    want = PagedRunner(plain, page_size=4, num_pages=16, shuffle=True).extend(rows, prompts)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_fusing_twice_is_a_no_op_and_mismatched_linears_are_refused(gqa_dir):
+    plain, config = load_model(gqa_dir, dtype="float32", inference_layout=False)
+    numel = sum(p.numel() for p in plain.parameters())
+    assert fuse_projections(plain) == 2 * config.num_hidden_layers  # attention + MLP each
+    assert fuse_projections(plain) == 0
+    assert sum(p.numel() for p in plain.parameters()) == numel
+    with pytest.raises(ValueError, match="same input width"):
+        stack_linears([torch.nn.Linear(4, 2), torch.nn.Linear(8, 2)])
+    with pytest.raises(ValueError, match="all or no biases"):
+        stack_linears([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2, bias=False)])
 
 
 def test_qwen2_bias_layout():

@@ -68,9 +68,9 @@ def tiny_run(target_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tiny_run, target_dir):
     """The trained head loaded as the engine loads it, float32, no pre-packing."""
-    target, config = load_model(target_dir, dtype="float32", prepack_cpu=False)
+    target, config = load_model(target_dir, dtype="float32", inference_layout=False)
     draft, draft_config = load_draft(
-        tiny_run[0], "EAGLE", target, config, dtype="float32", prepack_cpu=False
+        tiny_run[0], "EAGLE", target, config, dtype="float32", inference_layout=False
     )
     return target, draft, draft_config
 

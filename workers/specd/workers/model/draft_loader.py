@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from specd.workers.config import DraftAlgorithm
 from specd.workers.model.config import ModelConfig, ModelLoadError, parse_rope
-from specd.workers.model.cpu_linear import prepack_linears
 from specd.workers.model.eagle import EagleDraftModel
 from specd.workers.model.eagle3 import NUM_AUX_LAYERS, Eagle3DraftModel
+from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import check_weights, dummy_weights, resolve_dtype
 
@@ -79,13 +79,14 @@ def load_draft(
     target_config: ModelConfig,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
-    prepack_cpu: bool = True,
+    inference_layout: bool = True,
     dummy: bool = False,
 ) -> tuple[DraftModel, DraftConfig]:
     """Build the draft described by ``path``/config.json and load its weights.
 
     ``dtype`` ``auto`` means the target's dtype (the reference casts the draft to the base
-    model's dtype).  On CPU, linear weights are pre-packed unless ``prepack_cpu`` is False.
+    model's dtype).  Unless ``inference_layout`` is False the projections are fused and,
+    on CPU, linear weights pre-packed (``inference_layout.py``).
     ``dummy`` (benchmarks): random weights from config.json alone (``loader.dummy_weights``)
     and, for EAGLE-3, the identity vocab map (draft id i -> target id i).
     """
@@ -115,9 +116,10 @@ def load_draft(
         _complete_vocab_map(folder, weights, config, device, identity=dummy)
     check_weights(folder, {name: t.shape for name, t in model.state_dict().items()}, weights)
     model.load_state_dict(weights, assign=True)
+    del weights  # the model holds the tensors now; fusing frees the unfused ones
     model.eval().requires_grad_(False)
-    if prepack_cpu:
-        prepack_linears(model)
+    if inference_layout:
+        to_inference_layout(model)
     logger.info(
         "loaded %s draft from %s: %d layer(s), draft vocab %d, aux layers %s",
         algo.value,

@@ -5,7 +5,8 @@ padding.  Which tokens belong to which request, where their K/V are written and 
 slots each query reads all come from the ``ForwardContext`` (see ``specd.kernels.metadata``).
 
 Module and parameter names are exactly those of ``transformers`` so a checkpoint's
-state dict loads 1:1 (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+state dict loads 1:1 (``model.layers.{i}.self_attn.q_proj.weight``, ...); the loaders
+then fuse q/k/v and gate/up for serving (``inference_layout.py``).
 """
 
 from __future__ import annotations
@@ -51,15 +52,24 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj: nn.Module | None = None  # q|k|v as one matmul (inference_layout.py)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, in] -> q [N, heads*hd], k and v [N, kv_heads*hd]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, head_dim] -> [N, hidden]; writes this layer's K/V."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         ctx.kv_pool.store(self.layer_id, ctx.out_cache_loc, k, v)
         k_buffer, v_buffer = ctx.kv_pool.layer(self.layer_id)
@@ -74,9 +84,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # gate|up as one matmul (inference_layout.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
-from specd.workers.model.cpu_linear import prepack_linears
+from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
-    prepack_cpu: bool = True,
+    inference_layout: bool = True,
     dummy: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from ``path``/config.json and load its safetensors weights.
@@ -137,9 +137,9 @@ def load_model(
     ``dtype``: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
     The LM head is tied to the embeddings when ``tie_word_embeddings`` is set (a stored
     ``lm_head.weight`` is then ignored, as transformers does) or when the checkpoint has
-    no ``lm_head.weight``.  On CPU, linear weights are pre-packed for oneDNN unless
-    ``prepack_cpu`` is False (see ``cpu_linear``).  ``dummy``: random weights, no weight
-    file read (``dummy_weights``).
+    no ``lm_head.weight``.  Unless ``inference_layout`` is False, q/k/v and gate/up are
+    fused and, on CPU, linear weights pre-packed for oneDNN (``inference_layout.py``).
+    ``dummy``: random weights, no weight file read (``dummy_weights``).
     """
     folder = Path(path)
     config = load_model_config(folder)
@@ -160,9 +160,10 @@ def load_model(
             logger.warning("%s has no lm_head.weight; tying it to the embeddings", folder)
     check_weights(folder, expected, weights)
     model.load_state_dict(weights, strict=False, assign=True)
+    del weights  # the model holds the tensors now; fusing frees the unfused ones
     if tie:
         model.tie_weights()
     model.eval().requires_grad_(False)
-    if prepack_cpu:
-        prepack_linears(model)
+    if inference_layout:
+        to_inference_layout(model)
     return model, config

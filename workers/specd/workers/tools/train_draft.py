@@ -389,13 +389,14 @@ def load_corpus(args: DraftArgs, target_manifest: dict[str, Any]) -> Corpus:
 def load_target(args: DraftArgs) -> tuple[LlamaForCausalLM, ModelConfig, nn.Module, nn.Module]:
     """The frozen target in the training dtype, plus float32 copies of its embedding and
     lm_head as plain modules (the target's own are pre-packed for speed and carry no
-    gradient to their input)."""
+    gradient to their input).  The projections stay unfused, so the shipped head's
+    ``reproduce`` command replays the same arithmetic it was trained with."""
     dtype = "bfloat16" if args.bf16_autocast else "float32"
-    target, config = load_model(args.target, dtype=dtype, prepack_cpu=False)
+    target, config = load_model(args.target, dtype=dtype, inference_layout=False)
     embed = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.float(), freeze=True)
     head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     head.weight = nn.Parameter(target.lm_head.weight.detach().float(), requires_grad=False)
-    prepack_linears(target)
+    prepack_linears(target, always=True)  # the arithmetic the shipped head was trained with
     return target, config, embed, head
 
 
