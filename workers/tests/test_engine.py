@@ -4,10 +4,13 @@ retraction under a small KV pool, sampling, stop rules and aborts."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
+import torch
 
+from specd.workers.engine.engine import single_threaded_torch_in_this_thread
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 from specd.workers.testing import (
     check_exact_run,
@@ -198,3 +201,28 @@ def test_a_step_wakes_each_consumer_loop_once(tiny_models):
     assert deltas == 8 * 10 and all(len(tokens) == 10 for tokens, _, _ in results)
     # one per step that emitted, plus one per request's admission
     assert WakeCountingLoop.wakeups <= steps + len(prompts) < deltas
+
+
+def test_the_loop_thread_under_overlap_runs_torch_on_one_core_and_no_other_thread_does():
+    """Under overlap the loop thread's torch ops must not start a second OpenMP team
+    next to the compute thread's; the process default for new threads stays as it was."""
+
+    def threads_in_a_new_thread() -> int:
+        seen: list[int] = []
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join()
+        return seen[0]
+
+    default = threads_in_a_new_thread()
+    seen: dict[str, int] = {}
+
+    def loop_thread() -> None:
+        single_threaded_torch_in_this_thread()
+        seen["after"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=loop_thread)
+    worker.start()
+    worker.join()
+    assert seen["after"] == 1
+    assert threads_in_a_new_thread() == default
