@@ -37,6 +37,8 @@ def make_case(qo_lens, kv_lens, heads=4, kv_heads=2, dim=8, slots=200, seed=0):
     "qo_lens,kv_lens",
     [
         pytest.param([1, 1, 1], [5, 9, 1], id="decode"),
+        pytest.param([1, 1], [6, 6], id="decode-equal-lengths-unmasked"),
+        pytest.param([1, 4, 1], [8, 5, 8], id="mixed-equal-decode-lengths"),
         pytest.param([7, 3], [7, 10], id="prefill-with-cached-prefix"),
         pytest.param([1, 6, 1, 4], [12, 6, 3, 9], id="mixed"),
     ],

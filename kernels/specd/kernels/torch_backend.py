@@ -44,8 +44,9 @@ class TorchAttentionPlan:
 
     decode_q_rows: torch.Tensor | None  # [b] flat query index of each decode request
     decode_slots: torch.Tensor | None  # [b, max_kv] pool slots, 0 where padded
-    decode_mask: torch.Tensor | None  # [b, 1, 1, max_kv] True on real KV positions
+    decode_mask: torch.Tensor | None  # [b, 1, 1, max_kv] True on real KV positions; None: all
     extends: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # (q0, q1, slots, mask)
+    decode_only: bool = False  # every query is a decode request's, in order: no gather/scatter
 
 
 @register_backend(
@@ -74,26 +75,34 @@ class TorchAttentionBackend:
             valid = offsets[None, :] < lens[:, None]  # [b, max_kv]
             flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
             slots = torch.where(valid, meta.kv_indices[flat], 0)
-            mask = valid[:, None, None, :]
+            ragged = min(meta.kv_lens[i] for i in rows) != max(meta.kv_lens[i] for i in rows)
+            mask = valid[:, None, None, :] if ragged else None  # SDPA is faster unmasked
             q_rows = torch.tensor([qo[i] for i in rows], device=device)
         extends = tuple(
             (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
             for i, d in enumerate(is_decode)
             if not d
         )
-        return TorchAttentionPlan(q_rows, slots, mask, extends)
+        return TorchAttentionPlan(q_rows, slots, mask, extends, decode_only=not extends)
 
     def forward(self, q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V from the pool through ``plan``."""
+        if plan.decode_only:
+            return self._decode(q, k_buffer, v_buffer, plan, scale)
         out = torch.empty_like(q)
         if plan.decode_q_rows is not None:
-            k = k_buffer[plan.decode_slots].transpose(1, 2)  # [b, Hkv, max_kv, D]
-            v = v_buffer[plan.decode_slots].transpose(1, 2)
-            qd = q[plan.decode_q_rows][:, :, None, :]  # [b, H, 1, D]
-            out[plan.decode_q_rows] = _attend(qd, k, v, plan.decode_mask, scale)[:, :, 0, :]
+            rows = plan.decode_q_rows
+            out[rows] = self._decode(q[rows], k_buffer, v_buffer, plan, scale)
         for q0, q1, slots, mask in plan.extends:
             k = k_buffer[slots].transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
             v = v_buffer[slots].transpose(0, 1)[None]
             qi = q[q0:q1].transpose(0, 1)[None]  # [1, H, q_len, D]
             out[q0:q1] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
+        """The decode requests' queries q [b, H, D] -> [b, H, D], one padded batch."""
+        k = k_buffer[plan.decode_slots].transpose(1, 2)  # [b, Hkv, max_kv, D]
+        v = v_buffer[plan.decode_slots].transpose(1, 2)
+        return _attend(q[:, :, None, :], k, v, plan.decode_mask, scale)[:, :, 0, :]
