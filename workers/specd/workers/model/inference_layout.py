@@ -56,6 +56,11 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 def to_inference_layout(model: nn.Module) -> None:
-    """Fuse the projections, then pre-pack linear weights where the model is on CPU."""
-    fuse_projections(model)
+    """Fuse the projections, then pre-pack linear weights where the model is on CPU.
+
+    On CUDA the unfused weights' memory goes back to the device: the caching allocator
+    would keep it, and the KV pool is sized from the device's free memory.
+    """
+    if fuse_projections(model) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
     prepack_linears(model)
