@@ -4,7 +4,7 @@ Checkpoints store q, k and v (and gate and up) as separate matrices; a serving e
 runs each group as one matmul (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``).
 At decode the matmuls are weight reads, and the small ones read far below memory
 bandwidth: an 8B Llama's k and v projections are 8 MB each, too little to fill an H100,
-so one [6144, 4096] read beats three.  Fusing also halves the per-layer kernel count on
+so one [6144, 4096] read beats three.  Fusing also cuts a layer's matmuls from 7 to 4 on
 every device.  Then, on CPU, linear weights are pre-packed for oneDNN (``cpu_linear``).
 
 The modules load with the checkpoint's names first (so loading and its error messages
