@@ -46,7 +46,11 @@ class TorchAttentionPlan:
     decode_slots: torch.Tensor | None  # [b, max_kv] pool slots, 0 where padded
     decode_mask: torch.Tensor | None  # [b, 1, 1, max_kv] True on real KV positions; None: all
     extends: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # (q0, q1, slots, mask)
-    decode_only: bool = False  # every query is a decode request's, in order: no gather/scatter
+
+    @property
+    def decode_only(self) -> bool:
+        """Every query is a decode request's, in order: no gather or scatter of rows."""
+        return not self.extends and self.decode_q_rows is not None
 
 
 @register_backend(
@@ -69,13 +73,14 @@ class TorchAttentionBackend:
         rows = [i for i, d in enumerate(is_decode) if d]
         q_rows = slots = mask = None
         if rows:
-            lens = torch.tensor([meta.kv_lens[i] for i in rows], device=device)
+            host_lens = [meta.kv_lens[i] for i in rows]
+            lens = torch.tensor(host_lens, device=device)
             starts = torch.tensor([kv[i] for i in rows], device=device)
-            offsets = torch.arange(int(lens.max()), device=device)
+            offsets = torch.arange(max(host_lens), device=device)
             valid = offsets[None, :] < lens[:, None]  # [b, max_kv]
             flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
             slots = torch.where(valid, meta.kv_indices[flat], 0)
-            ragged = min(meta.kv_lens[i] for i in rows) != max(meta.kv_lens[i] for i in rows)
+            ragged = min(host_lens) != max(host_lens)
             mask = valid[:, None, None, :] if ragged else None  # SDPA is faster unmasked
             q_rows = torch.tensor([qo[i] for i in rows], device=device)
         extends = tuple(
@@ -83,7 +88,7 @@ class TorchAttentionBackend:
             for i, d in enumerate(is_decode)
             if not d
         )
-        return TorchAttentionPlan(q_rows, slots, mask, extends, decode_only=not extends)
+        return TorchAttentionPlan(q_rows, slots, mask, extends)
 
     def forward(self, q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V from the pool through ``plan``."""
