@@ -160,7 +160,7 @@ class Engine:
         self.step_seconds = {"host": 0.0, "model": 0.0}  # loop time outside / inside the model
         self.overlap = spec.scheduler.overlap
         self._compute = _Compute(self.overlap, f"specd-compute-{replica}")
-        self._pending: tuple[ScheduledBatch, Future] | None = None  # verify in flight
+        self._pending: tuple[ScheduledBatch, Future] | None = None  # step in flight (overlap)
         self.strict_mem_check = spec.debug.strict_mem_check >= 1 or bool(
             int(os.environ.get("SPECD_STRICT_MEM_CHECK", "0") or 0)
         )
@@ -510,7 +510,7 @@ class Engine:
         if self._pipelined(batch):
             self._pending = (batch, future)
             return time.perf_counter() - t1
-        out = self._wait(batch, future)
+        out = self._wait(future)
         model_s = time.perf_counter() - t1
         self._process(batch, out)
         return model_s
@@ -527,7 +527,7 @@ class Engine:
             self.metrics.steps_launched_ahead.inc()
             self._pending = (nxt, self._submit(nxt))
         t1 = time.perf_counter()
-        out = self._wait(batch, future)
+        out = self._wait(future)
         model_s = time.perf_counter() - t1
         self._process(batch, out)
         return model_s
@@ -557,7 +557,7 @@ class Engine:
         return self._compute.submit(self._extend_compute, batch)
 
     @staticmethod
-    def _wait(batch: ScheduledBatch, future: Future):
+    def _wait(future: Future):
         """The result of a batch ``_submit`` queued (a launched one's ids on the host)."""
         out = future.result()
         return out.wait() if isinstance(out, LaunchedStep) else out
@@ -591,7 +591,7 @@ class Engine:
         batch, future = self._pending
         self._pending = None
         try:
-            self._process(batch, self._wait(batch, future))
+            self._process(batch, self._wait(future))
         except Exception:  # the loop is ending anyway; the KV is still freed below
             log.exception("engine %s: step in flight failed at shutdown", self.replica)
             for req in batch.reqs:
