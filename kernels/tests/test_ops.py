@@ -273,6 +273,7 @@ def test_move_kv_strided_planes():
         pytest.param([], id="none"),
         pytest.param([3, 0, 5, 1], id="ragged"),
         pytest.param([1500, 2], id="spans-blocks"),
+        pytest.param([1, 1, 1], id="a-slot-per-row"),
     ],
 )
 def test_write_req_to_token_triton_matches_torch(lens):

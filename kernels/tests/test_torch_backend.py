@@ -45,7 +45,7 @@ def make_case(qo_lens, kv_lens, heads=4, kv_heads=2, dim=8, slots=200, seed=0):
 )
 def test_causal_matches_dense(qo_lens, kv_lens):
     q, k_buf, v_buf, r2t = make_case(qo_lens, kv_lens)
-    meta = build_attention_metadata(r2t, torch.arange(len(kv_lens)), qo_lens, kv_lens)
+    meta = build_attention_metadata(r2t, list(range(len(kv_lens))), qo_lens, kv_lens)
     scale = 1 / math.sqrt(q.shape[-1])
     backend = get_backend("torch")
     out = backend.forward(q, k_buf, v_buf, backend.plan(meta), scale)
@@ -65,7 +65,7 @@ def test_custom_mask_is_used_as_given():
     for m in masks:
         m[:, 0] = True
     flat = torch.cat([m.flatten() for m in masks])
-    meta = build_attention_metadata(r2t, torch.arange(2), qo_lens, kv_lens, custom_mask=flat)
+    meta = build_attention_metadata(r2t, [0, 1], qo_lens, kv_lens, custom_mask=flat)
     backend = get_backend("torch")
     out = backend.forward(q, k_buf, v_buf, backend.plan(meta), 0.3)
     ref0 = dense_attention(q[:3], k_buf[r2t[0, :6]], v_buf[r2t[0, :6]], masks[0], 0.3)
@@ -79,6 +79,18 @@ def test_backend_resolution_names_the_field():
         resolve_backend_name("nope", "cpu")
 
 
+def test_metadata_reads_each_requests_row_prefix_in_batch_order():
+    r2t = torch.arange(40).view(4, 10)
+    meta = build_attention_metadata(r2t, [2, 0, 3], [1, 2, 1], [3, 4, 1])
+    assert meta.kv_indices.tolist() == [20, 21, 22, 0, 1, 2, 3, 30]
+    assert meta.kv_indices.dtype == torch.int64
+    assert meta.qo_indptr.tolist() == [0, 1, 3, 4] and meta.kv_indptr.tolist() == [0, 3, 7, 8]
+    empty = build_attention_metadata(r2t, [], [], [])
+    assert empty.batch_size == 0 and empty.kv_indices.numel() == 0
+    with pytest.raises(ValueError, match="one entry per request"):
+        build_attention_metadata(r2t, [0, 1], [1], [1])
+
+
 def test_query_longer_than_kv_is_refused():
     with pytest.raises(ValueError, match="exceeds kv length"):
-        build_attention_metadata(torch.zeros(1, 4, dtype=torch.int64), torch.arange(1), [3], [2])
+        build_attention_metadata(torch.zeros(1, 4, dtype=torch.int64), [0], [3], [2])

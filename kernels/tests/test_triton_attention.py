@@ -269,7 +269,7 @@ def test_plan_picks_the_kernel(qo_lens, custom, kernel):
     mask = torch.ones(sum(q * k for q, k in zip(qo_lens, kv_lens, strict=True)), dtype=torch.bool)
     r2t = torch.arange(5 * len(qo_lens)).view(len(qo_lens), 5)
     meta = build_attention_metadata(
-        r2t, torch.arange(len(qo_lens)), qo_lens, kv_lens, mask if custom else None
+        r2t, list(range(len(qo_lens))), qo_lens, kv_lens, mask if custom else None
     )
     plan = TritonAttentionBackend().plan(meta)
     assert plan.kernel is kernel and plan.max_qo_len == max(qo_lens)

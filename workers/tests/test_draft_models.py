@@ -547,7 +547,7 @@ class SharedSlotRunner:
             locs.append(self.req_to_token[row, start:end].long())
             self.seq_lens[row] = end
         meta = build_attention_metadata(
-            self.req_to_token, torch.tensor(rows), counts, [self.seq_lens[r] for r in rows]
+            self.req_to_token, rows, counts, [self.seq_lens[r] for r in rows]
         )
         plan, loc = self.backend.plan(meta), torch.cat(locs)
         return (

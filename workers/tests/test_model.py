@@ -80,7 +80,7 @@ class PagedRunner:
             self.seq_lens[row] = end
         meta = build_attention_metadata(
             self.req_to_token,
-            torch.tensor(rows),
+            rows,
             qo_lens=[len(c) for c in chunks],
             kv_lens=[self.seq_lens[r] for r in rows],
         )

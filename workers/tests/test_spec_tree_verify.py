@@ -271,7 +271,7 @@ def test_verify_mask_matches_path_attention():
     k_buf, v_buf = torch.randn(2, 40, heads, dim, generator=gen).unbind(0)
     meta = build_attention_metadata(
         req_to_token,
-        torch.tensor([0, 1]),
+        [0, 1],
         qo_lens=[t, t],
         kv_lens=[p + t for p in prefix],
         custom_mask=tree_attention_mask_for_verify(tree, prefix),

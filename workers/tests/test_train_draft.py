@@ -155,7 +155,7 @@ class PagedPair:
         start, count = self.lens[which], len(inputs[0])
         self.lens[which] += count
         meta = build_attention_metadata(
-            self.req_to_token, torch.tensor([0]), [count], [start + count]
+            self.req_to_token, [0], [count], [start + count]
         )
         loc = self.req_to_token[0, start : start + count].long()
         ctx = ForwardContext(self.backend.plan(meta), loc, self.pools[which], self.backend)

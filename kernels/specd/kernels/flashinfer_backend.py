@@ -169,7 +169,9 @@ class FlashInferAttentionBackend:
         self._plan_wrapper(plan.wrapper, eager, q, k, shape.head_dim**-0.5)
 
     def forward(self, q, k_buffer, v_buffer, plan, scale: float):
-        """q [N, H, D] -> [N, H, D], reading K/V through ``plan`` (page size 1)."""
+        """q [N, H, D] -> [N, H, D], reading K/V through ``plan`` (page size 1).  q may be
+        a strided view (sliced out of a fused projection); flashinfer gets it packed."""
+        q = q.contiguous()
         kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # NHD pages of one token
         if isinstance(plan, FlashInferGraphPlan):
             if abs(scale - plan.shape.head_dim**-0.5) > 1e-12:

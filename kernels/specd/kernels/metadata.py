@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.kernels.ops import TORCH_OPS, KernelOps, exclusive_cumsum, host_tensor
+from specd.kernels.ops import exclusive_cumsum, host_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +35,6 @@ class AttentionMetadata:
         return len(self.qo_lens)
 
 
-def _indptr(lens: Sequence[int], device: torch.device) -> torch.Tensor:
-    return host_tensor(exclusive_cumsum(lens), device)
-
-
 def metadata_from_indices(
     kv_indices: torch.Tensor,
     qo_lens: Sequence[int],
@@ -49,10 +45,10 @@ def metadata_from_indices(
     for q, k in zip(qo_lens, kv_lens, strict=True):
         if q > k:
             raise ValueError(f"query length {q} exceeds kv length {k}")
-    device = kv_indices.device
+    indptrs = host_tensor(exclusive_cumsum(qo_lens) + exclusive_cumsum(kv_lens), kv_indices.device)
     return AttentionMetadata(
-        qo_indptr=_indptr(qo_lens, device),
-        kv_indptr=_indptr(kv_lens, device),
+        qo_indptr=indptrs[: len(qo_lens) + 1],
+        kv_indptr=indptrs[len(qo_lens) + 1 :],
         kv_indices=kv_indices,
         qo_lens=tuple(qo_lens),
         kv_lens=tuple(kv_lens),
@@ -62,21 +58,18 @@ def metadata_from_indices(
 
 def build_attention_metadata(
     req_to_token: torch.Tensor,
-    rows: torch.Tensor,
+    rows: Sequence[int],
     qo_lens: Sequence[int],
     kv_lens: Sequence[int],
     custom_mask: torch.Tensor | None = None,
-    ops: KernelOps = TORCH_OPS,
 ) -> AttentionMetadata:
-    """Metadata for requests in ``rows`` reading positions ``[0, kv_len)`` of their row
-    through ``req_to_token`` ([num_rows, width]; rows [bs] row ids)."""
-    if len(qo_lens) != len(kv_lens):
-        raise ValueError("qo_lens and kv_lens must have one entry per request")
-    device = req_to_token.device
-    ends = host_tensor(kv_lens, device)  # [bs]
-    ranges = torch.stack([torch.zeros_like(ends), ends], -1)[:, None, :]  # [bs, 1, 2]
-    extras = torch.zeros(len(kv_lens), 0, dtype=torch.int64, device=device)
-    kv_indices = ops.gather_row_slots(req_to_token, rows.to(device), ranges, extras, kv_lens)
+    """Metadata for requests in host ``rows`` reading positions ``[0, kv_len)`` of their
+    row through ``req_to_token`` ([num_rows, width]): one copy of the row prefixes, sliced
+    with host lengths (no device read)."""
+    if not len(rows) == len(qo_lens) == len(kv_lens):
+        raise ValueError("rows, qo_lens and kv_lens must have one entry per request")
+    prefixes = [req_to_token[r, :n] for r, n in zip(rows, kv_lens, strict=True)]
+    kv_indices = torch.cat(prefixes).long() if prefixes else req_to_token.new_empty(0).long()
     return metadata_from_indices(kv_indices, qo_lens, kv_lens, custom_mask)
 
 

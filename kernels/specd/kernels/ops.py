@@ -228,6 +228,9 @@ class TorchOps:
             planes[:, dst] = planes[:, src]
 
     def write_req_to_token(self, req_to_token, rows, starts, slots, lens):
+        if all(n == 1 for n in lens):  # a slot per row (decode): no segments to expand
+            req_to_token[rows, starts] = slots.to(req_to_token.dtype)
+            return
         group, local = _segments(lens, req_to_token.device)
         req_to_token[rows[group], starts[group] + local] = slots.to(req_to_token.dtype)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.kernels.metadata import AttentionMetadata
+from specd.kernels.ops import exclusive_cumsum
 from specd.kernels.registry import BackendCapabilities, register_backend
 
 
@@ -36,6 +37,24 @@ def _attend(q, k, v, mask, scale):
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def _decode_slots(
+    meta: AttentionMetadata, rows: list[int], kv_indptr: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decode requests ``rows``' pool slots as one padded ``[b, max_kv]`` (0 where
+    padded) and its ``[b, 1, 1, max_kv]`` validity mask; None when no row is padded."""
+    lens = [meta.kv_lens[i] for i in rows]
+    if len(rows) == meta.batch_size and min(lens) == max(lens):  # the indices as they are
+        return meta.kv_indices.view(len(rows), lens[0]), None
+    device = meta.kv_indices.device
+    offsets = torch.arange(max(lens), device=device)
+    valid = offsets[None, :] < torch.tensor(lens, device=device)[:, None]  # [b, max_kv]
+    starts = torch.tensor([kv_indptr[i] for i in rows], device=device)
+    flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
+    slots = torch.where(valid, meta.kv_indices[flat], 0)
+    ragged = min(lens) != max(lens)
+    return slots, (valid[:, None, None, :] if ragged else None)  # SDPA is faster unmasked
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,21 +87,13 @@ class TorchAttentionBackend:
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         device = meta.kv_indices.device
-        qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
+        qo, kv = exclusive_cumsum(meta.qo_lens), exclusive_cumsum(meta.kv_lens)
         is_decode = [q == 1 and meta.custom_mask is None for q in meta.qo_lens]
         rows = [i for i, d in enumerate(is_decode) if d]
         q_rows = slots = mask = None
         if rows:
-            host_lens = [meta.kv_lens[i] for i in rows]
-            lens = torch.tensor(host_lens, device=device)
-            starts = torch.tensor([kv[i] for i in rows], device=device)
-            offsets = torch.arange(max(host_lens), device=device)
-            valid = offsets[None, :] < lens[:, None]  # [b, max_kv]
-            flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
-            slots = torch.where(valid, meta.kv_indices[flat], 0)
-            ragged = min(host_lens) != max(host_lens)
-            mask = valid[:, None, None, :] if ragged else None  # SDPA is faster unmasked
             q_rows = torch.tensor([qo[i] for i in rows], device=device)
+            slots, mask = _decode_slots(meta, rows, kv)
         extends = tuple(
             (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
             for i, d in enumerate(is_decode)

@@ -299,9 +299,7 @@ class Engine:
             dtype,
             self.device,
         )
-        self.runner = ModelRunner(
-            self.model, self.req_pool, self.kv_pool, backend, self.device, ops
-        )
+        self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
         self.spec_decoder: SpecDecoder | None = None
         if draft_cfg is not None:
             draft_pool = KVPool(

@@ -13,7 +13,7 @@ import torch
 
 from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_metadata
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
-from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
@@ -28,24 +28,19 @@ def extend_layout(
     starts: list[int],
     lens: list[int],
     custom_mask: torch.Tensor | None = None,
-    ops: KernelOps = TORCH_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Row ``rows[i]`` fills positions ``[starts[i], starts[i] + lens[i])``: -> (flattened
     positions, the KV slots they write, attention metadata reading ``[0, start + n)``).
 
     Built from host lengths: one small host-to-device copy, no device sync."""
-    device = req_to_token.device
     spans = list(zip(rows, starts, lens, strict=True))
     token_rows = [r for r, _, n in spans for _ in range(n)]
     token_positions = [p for _, s, n in spans for p in range(s, s + n)]
-    index = host_tensor(token_rows + token_positions + list(rows), device)
-    num_tokens = len(token_rows)
-    positions = index[num_tokens : 2 * num_tokens]  # [num_tokens]
-    out_loc = req_to_token[index[:num_tokens], positions]
+    index = host_tensor(token_rows + token_positions, req_to_token.device)
+    positions = index[len(token_rows) :]  # [num_tokens]
+    out_loc = req_to_token[index[: len(token_rows)], positions]
     kv_lens = [s + n for _, s, n in spans]
-    meta = build_attention_metadata(
-        req_to_token, index[2 * num_tokens :], list(lens), kv_lens, custom_mask, ops
-    )
+    meta = build_attention_metadata(req_to_token, rows, list(lens), kv_lens, custom_mask)
     return positions, out_loc, meta
 
 
@@ -98,10 +93,8 @@ class ModelRunner:
         kv_pool: KVPool,
         backend: AttentionBackend,
         device: torch.device,
-        ops: KernelOps = TORCH_OPS,
     ):
         self.model = model
-        self.ops = ops
         self.decode_graphs: GraphRunner[DecodeBucket] | None = None
         self.req_pool = req_pool
         self.kv_pool = kv_pool
@@ -191,9 +184,8 @@ class ModelRunner:
         with ``capture_layers``.  ``launching``: called by ``launch`` (see there)."""
         rows = [r.kv.row for r in batch.reqs]
         positions, out_cache_loc, meta = extend_layout(
-            self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens),
-            ops=self.ops,
-        )  # fmt: skip
+            self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens)
+        )
         input_ids = self._input_ids(batch, rows)  # [num_tokens]
         graph_size = self._decode_graph_size(batch, capture_layers)
         if graph_size is not None:
@@ -207,11 +199,14 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]
         else:
             hidden, aux = self.model.forward_with_aux(input_ids, positions, ctx, capture_layers)
-        ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
-        last = ends[torch.tensor(batch.sample, dtype=torch.bool)].to(self.device)
+        ends = exclusive_cumsum(batch.extend_lens)[1:]
+        last = [end - 1 for end, sampled in zip(ends, batch.sample, strict=True) if sampled]
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        if last.numel():
-            logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab] float32
+        if last:  # every row sampled (decode): no row gather
+            rows_out = (
+                hidden if len(last) == len(hidden) else hidden[host_tensor(last, self.device)]
+            )
+            logits = self.model.compute_logits(rows_out)  # [num_sampled, vocab] float32
             tokens = sample_next_tokens(logits, batch.sampled_reqs)
         return tokens, hidden, aux
 

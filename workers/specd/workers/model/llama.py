@@ -55,26 +55,33 @@ class LlamaAttention(nn.Module):
         self.qkv_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj: nn.Module | None = None  # q|k|v as one matmul (inference_layout.py)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [N, in] -> q [N, heads*hd], k and v [N, kv_heads*hd]."""
+    def rotated_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, in] -> q [N, heads, hd] and k [N, kv_heads, hd] with RoPE applied, and v
+        [N, kv_heads, hd].  Fused, q and k are adjacent columns of one output and take
+        one rotation (the same arithmetic, half the ops)."""
+        n, hd = x.shape[0], self.head_dim
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            q = self.q_proj(x).view(n, self.num_heads, hd)
+            k = self.k_proj(x).view(n, self.num_kv_heads, hd)
+            v = self.v_proj(x).view(n, self.num_kv_heads, hd)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qkv = self.qkv_proj(x)
+        qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
+        qk = apply_rotary(qkv[:, :qk_size].view(n, -1, hd), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        return q, k, qkv[:, qk_size:].view(n, self.num_kv_heads, hd)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """x [N, hidden], cos/sin [N, head_dim] -> [N, hidden]; writes this layer's K/V."""
-        n = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         ctx.kv_pool.store(self.layer_id, ctx.out_cache_loc, k, v)
         k_buffer, v_buffer = ctx.kv_pool.layer(self.layer_id)
         out = ctx.backend.forward(q, k_buffer, v_buffer, ctx.attn_plan, scale=self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):

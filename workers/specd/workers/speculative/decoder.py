@@ -173,9 +173,7 @@ class SpecDecoder:
         if not rows:
             return []
         lens = [len(t) for t in token_ids]
-        positions, out_loc, meta = extend_layout(
-            self.req_pool.req_to_token, rows, starts, lens, ops=self.ops
-        )
+        positions, out_loc, meta = extend_layout(self.req_pool.req_to_token, rows, starts, lens)
         ids = host_tensor([t for ts in token_ids for t in ts], self.device)
         ctx = ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
         next_feats, logit_hidden = self.head.forward(ids, torch.cat(features), positions, ctx)
@@ -318,7 +316,6 @@ class SpecDecoder:
             roots,
             [tree.num_tokens] * len(rows),
             tree_attention_mask_for_verify(tree, roots, self.ops),
-            ops=self.ops,
         )
         positions = tree.positions(host_tensor(roots, self.device)).flatten()
         tokens = tree.tokens.flatten()

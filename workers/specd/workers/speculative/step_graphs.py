@@ -243,7 +243,7 @@ class SpecGraphs:
             return None
         b = self.extend[q].bucket(size)
         positions, out_loc, meta = extend_layout(  # Q positions from each root (past: junk)
-            self.dec.req_pool.req_to_token, rows, roots, [q] * bs, ops=self.dec.ops
+            self.dec.req_pool.req_to_token, rows, roots, [q] * bs
         )
         ids = host_tensor([t for ts in tokens for t in ts + [0] * (q - len(ts))], self.device)
         index = accepted.accept_index[:, :q].clamp(min=0)  # [bs, Q] nodes (past the path: any)
