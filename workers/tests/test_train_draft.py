@@ -154,9 +154,7 @@ class PagedPair:
         """Append len(inputs[0]) positions to pool ``which`` and run ``model`` on them."""
         start, count = self.lens[which], len(inputs[0])
         self.lens[which] += count
-        meta = build_attention_metadata(
-            self.req_to_token, [0], [count], [start + count]
-        )
+        meta = build_attention_metadata(self.req_to_token, [0], [count], [start + count])
         loc = self.req_to_token[0, start : start + count].long()
         ctx = ForwardContext(self.backend.plan(meta), loc, self.pools[which], self.backend)
         return model(*inputs, torch.arange(start, start + count), ctx)
