@@ -32,7 +32,7 @@ def extend_layout(
     """Row ``rows[i]`` fills positions ``[starts[i], starts[i] + lens[i])``: -> (flattened
     positions, the KV slots they write, attention metadata reading ``[0, start + n)``).
 
-    Built from host lengths: one small host-to-device copy, no device sync."""
+    Built from host rows and lengths: small host-to-device copies, no device sync."""
     spans = list(zip(rows, starts, lens, strict=True))
     token_rows = [r for r, _, n in spans for _ in range(n)]
     token_positions = [p for _, s, n in spans for p in range(s, s + n)]
