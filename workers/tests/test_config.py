@@ -68,6 +68,11 @@ def test_defaults():
             id="speculative-without-draft",
         ),
         pytest.param(
+            {"samplingDefaults": {"temperature": 2.5}},
+            "spec.samplingDefaults.temperature: Input should be less than or equal to 2",
+            id="sampling-default",
+        ),
+        pytest.param(
             {"sessions": {"enabled": True, "maxSessions": 0}},
             "spec.sessions.maxSessions: Input should be greater than or equal to 1",
             id="max-sessions",
@@ -184,3 +189,35 @@ def test_each_kubernetes_namespace_gets_its_own_ray_namespace():
     assert ray_namespace("team-a") != ray_namespace("team-b")
     assert ray_namespace(None) == "specd"  # `specd serve` of a file with no namespace
     assert ray_namespace("team-a") == "specd-team-a"
+
+
+def test_sampling_defaults_take_the_spec_over_the_model_file():
+    model_file = {"temperature": 0.6, "top_p": 0.9, "top_k": 0}  # top_k 0: transformers' off
+    defaults = parse_deployment(doc()).spec.sampling_defaults
+    assert defaults.resolve(model_file) == {"temperature": 0.6, "top_p": 0.9, "top_k": -1}
+    mine = parse_deployment(doc(samplingDefaults={"temperature": 0, "topK": 20})).spec
+    assert mine.sampling_defaults.resolve(model_file) == {
+        "temperature": 0,
+        "top_p": 0.9,
+        "top_k": 20,
+    }
+    ignored = parse_deployment(doc(samplingDefaults={"fromModel": False})).spec
+    assert ignored.sampling_defaults.resolve(model_file) == {}
+
+
+@pytest.mark.parametrize(
+    "model_file,message",
+    [
+        ({"temperature": -0.5}, "temperature=-0.5, which must be a number in [0, 2]"),
+        ({"top_p": 0}, "top_p=0, which must be a number in (0, 1]"),
+        ({"top_k": 2.5}, "top_k=2.5, which must be an integer >= -1"),
+        ({"temperature": "0.7"}, "temperature='0.7', which must be a number"),
+    ],
+)
+def test_an_out_of_range_model_default_is_refused_unless_the_file_is_ignored(model_file, message):
+    defaults = parse_deployment(doc()).spec.sampling_defaults
+    with pytest.raises(ConfigError, match="spec.samplingDefaults.fromModel: false") as err:
+        defaults.resolve(model_file)
+    assert message in str(err.value)
+    ignored = parse_deployment(doc(samplingDefaults={"fromModel": False})).spec
+    assert ignored.sampling_defaults.resolve(model_file) == {}

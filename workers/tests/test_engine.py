@@ -4,12 +4,15 @@ retraction under a small KV pool, sampling, stop rules and aborts."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 
 import pytest
 import torch
 
+from specd.workers.config import ConfigError
 from specd.workers.engine.engine import single_threaded_torch_in_this_thread
 from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
 from specd.workers.testing import (
@@ -226,3 +229,26 @@ def test_the_loop_thread_under_overlap_runs_torch_on_one_core_and_no_other_threa
     worker.join()
     assert seen["after"] == 1
     assert threads_in_a_new_thread() == default
+
+
+def test_sampling_defaults_come_from_the_model_file_under_the_spec(tiny_models, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models("gqa"), folder)
+    generation = folder / "generation_config.json"
+    written = json.loads(generation.read_text()) if generation.is_file() else {}
+
+    def defaults_with(file_values: dict, **spec) -> dict:
+        generation.write_text(json.dumps({**written, **file_values}))
+        engine = start_engine(str(folder), **spec)
+        try:
+            return engine.sampling_defaults
+        finally:
+            engine.shutdown()
+
+    recommended = {"do_sample": True, "temperature": 0.7, "top_p": 0.8}
+    assert defaults_with(recommended) == {"temperature": 0.7, "top_p": 0.8}
+    mine = defaults_with(recommended, samplingDefaults={"temperature": 0})
+    assert mine == {"temperature": 0, "top_p": 0.8}
+    with pytest.raises(ConfigError, match="generation_config.json has top_p=1.5"):
+        defaults_with({"top_p": 1.5})
+    assert defaults_with({"top_p": 1.5}, samplingDefaults={"fromModel": False}) == {}

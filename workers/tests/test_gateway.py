@@ -71,6 +71,7 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         f"spec:\n  model: {{path: {model_dir}, name: {MODEL}}}\n  replicas: 1\n  resources: {{cpu: 0.5}}\n"
         f"  draft: {{path: {draft}}}\n  speculative: {{numSteps: 2, topk: 2, numDraftTokens: 4}}\n"
         "  kvCache: {pageSize: 4}\n  scheduler: {overlap: true}\n"
+        "  samplingDefaults: {temperature: 0}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = _source_roots()
@@ -101,6 +102,12 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         assert (
             usage["spec_verify_steps"] + usage["spec_accepted_tokens"] == GREEDY["max_tokens"] - 1
         )
+        # no temperature in the request: the spec's default (greedy), not OpenAI's 1.0
+        unset = {"model": MODEL, "prompt": "Hello", "max_tokens": GREEDY["max_tokens"]}
+        by_default = httpx.post(f"{url}/v1/completions", json=unset, timeout=30).json()
+        assert by_default["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        actors = httpx.get(f"{url}/admin/status", timeout=10).json()["actors"]
+        assert [a["sampling_defaults"] for a in actors] == [{"temperature": 0}]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == [MODEL]
         text = client.completions.create(model=MODEL, prompt="Hello", **GREEDY).choices[0].text

@@ -1,10 +1,12 @@
-"""Next-token sampling: greedy ids as argmax gives them, seeded draws reproduce."""
+"""Next-token sampling: greedy ids as argmax gives them, seeded draws reproduce, and
+the deployment's sampling defaults fill what a request leaves out."""
 
 import pytest
 import torch
 
 from specd.workers.engine.sampling import greedy_ids, sample_next_tokens
 from specd.workers.engine.types import SamplingParams
+from specd.workers.openai_protocol import ChatCompletionRequest, CompletionRequest
 from specd.workers.scheduler.request import Req
 
 
@@ -30,3 +32,22 @@ def test_greedy_rows_take_the_argmax_and_a_seeded_row_reproduces():
     assert first[0] == logits[0].argmax() and first[2] == logits[2].argmax()
     again = sample_next_tokens(logits, [_req("a"), _req("b", temperature=1.0, seed=7), _req("c")])
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_defaults_fill_only_the_fields_a_request_leaves_out(kind):
+    body = {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    if kind is ChatCompletionRequest:
+        del body["prompt"]
+    else:
+        del body["messages"]
+    defaults = {"temperature": 0.0, "top_p": 0.8, "top_k": 20}
+    left_out = kind.model_validate(body).sampling_params(16, defaults)
+    assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.0, 0.8, 20)
+    assert left_out.greedy
+    # a request's own value wins, also when it is the OpenAI default
+    own = kind.model_validate({**body, "temperature": 1.0, "top_k": -1})
+    params = own.sampling_params(16, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, -1)
+    plain = kind.model_validate(body).sampling_params(16)
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, -1)

@@ -105,6 +105,7 @@ class EngineActor:
             "config_hash": self._spec.config_hash(),
             "model": self._spec.served_model_name,
             "context_length": self._engine.context_length,
+            "sampling_defaults": self._engine.sampling_defaults,
             "device": str(self._engine.device),
         }
 

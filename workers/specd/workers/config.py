@@ -319,6 +319,46 @@ class MetricsSpec(_Spec):
     interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval")
 
 
+# a request default -> (its rule in words, the check): the bounds the OpenAI API puts on
+# a request's own value
+_SAMPLING_RULES: dict[str, tuple[str, Any]] = {
+    "temperature": ("a number in [0, 2]", lambda v: 0 <= v <= 2),
+    "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
+    "top_k": ("an integer >= -1 (0 and -1: off)", lambda v: float(v).is_integer() and v >= -1),
+}
+
+
+class SamplingDefaultsSpec(_Spec):
+    """What a request that leaves a sampling field out gets (its own value always wins):
+    this spec's values, then the model's ``generation_config.json`` (``fromModel``, as
+    vLLM's ``--generation-config auto``), then the OpenAI API's (temperature 1, top_p 1)."""
+
+    from_model: bool = Field(
+        True, description="Use temperature, top_p and top_k from generation_config.json"
+    )
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+
+    def resolve(self, generation: dict[str, Any]) -> dict[str, float]:
+        """Request defaults from this spec over ``generation`` (a model's
+        generation_config.json sampling keys as written; refused when out of range)."""
+        out: dict[str, float] = {}
+        for key, value in generation.items() if self.from_model else ():
+            rule, ok = _SAMPLING_RULES[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+                raise ConfigError(
+                    f"the model's generation_config.json has {key}={value!r}, which must be "
+                    f"{rule}: fix the file, or set spec.samplingDefaults.fromModel: false"
+                )
+            out[key] = int(value) if key == "top_k" else value
+        mine = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        out.update({key: value for key, value in mine.items() if value is not None})
+        if out.get("top_k") == 0:
+            out["top_k"] = -1
+        return out
+
+
 class DebugSpec(_Spec):
     strict_mem_check: Literal[0, 1, 2] = 0
 
@@ -336,6 +376,7 @@ class DeploymentSpec(_Spec):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
+    sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, exclude=True)
     image: str | None = Field(

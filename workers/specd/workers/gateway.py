@@ -267,9 +267,17 @@ class _Api:
         return self.pool.spec.served_model_name
 
     def context_length(self) -> int:
+        return int(self._ready_info("context_length"))
+
+    def sampling_defaults(self) -> dict[str, float]:
+        """What a request that leaves a sampling field out gets (the engine resolved it
+        from spec.samplingDefaults and the model's generation_config.json)."""
+        return self._ready_info("sampling_defaults")
+
+    def _ready_info(self, key: str) -> Any:
         for replica in self.pool.ready():
-            if replica.info.get("context_length"):
-                return int(replica.info["context_length"])
+            if replica.info.get(key) is not None:
+                return replica.info[key]
         raise ApiError(503, "no ready replica; retry shortly")
 
     def check_model(self, model: str) -> None:
@@ -358,7 +366,7 @@ class _Api:
         default_max_tokens: int,
     ) -> Response:
         rid = fmt.id_prefix + uuid.uuid4().hex
-        params = body.sampling_params(default_max_tokens)
+        params = body.sampling_params(default_max_tokens, self.sampling_defaults())
         if body.session_id is None:
             deltas = self.deltas(GenerateRequest(rid, tuple(prompt_ids), params))
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -115,12 +116,20 @@ class _GenerationRequest(_Lenient):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, float] | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; ``defaults`` (the deployment's sampling defaults)
+        fill the sampling fields this request left out."""
+        chosen = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        for key, value in (defaults or {}).items():
+            if key in chosen and key not in self.model_fields_set:
+                chosen[key] = value
         return SamplingParams(
             max_tokens=self.requested_max_tokens() or default_max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else -1,
+            temperature=chosen["temperature"],
+            top_p=chosen["top_p"],
+            top_k=chosen["top_k"] if chosen["top_k"] > 0 else -1,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

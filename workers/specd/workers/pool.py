@@ -99,6 +99,7 @@ class Replica:
             "config_hash": self.config_hash,
             "inflight": self.inflight,
             "context_length": self.info.get("context_length"),
+            "sampling_defaults": self.info.get("sampling_defaults"),
             "load": self.load,
             "error": self.error,
             "restarts": self.restarts,

@@ -210,6 +210,9 @@ class Engine:
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
+        self.sampling_defaults = spec.sampling_defaults.resolve(
+            self.model_config.generation_sampling
+        )
         self.spec_shape = SpecShape.from_spec(spec.speculative)
         self.spec_policy: SpecPolicy | None = None
         if spec.speculative is not None:

@@ -9,7 +9,7 @@ the setting, rather than silently producing different logits from ``transformers
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ _ROPE_REQUIRED_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_REQUIRED_KEYS)
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # the keys vLLM applies
 
 
 class ModelLoadError(ValueError):
@@ -58,6 +59,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
+    # generation_config.json's sampling settings as written (temperature, top_p, top_k);
+    # ``SamplingDefaultsSpec.resolve`` checks them and makes them request defaults
+    generation_sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(
@@ -87,6 +91,11 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
+            generation_sampling={
+                key: value
+                for key, value in (generation or {}).items()
+                if key in GENERATION_SAMPLING_KEYS and value is not None
+            },
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
