@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
@@ -321,7 +322,7 @@ class MetricsSpec(_Spec):
 
 # a request default -> (its rule in words, the check): the bounds the OpenAI API puts on
 # a request's own value
-_SAMPLING_RULES: dict[str, tuple[str, Any]] = {
+_SAMPLING_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "temperature": ("a number in [0, 2]", lambda v: 0 <= v <= 2),
     "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
     "top_k": ("an integer >= -1 (0 and -1: off)", lambda v: float(v).is_integer() and v >= -1),
