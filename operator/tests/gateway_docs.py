@@ -55,6 +55,7 @@ def actor(
         "config_hash": config_hash,
         "inflight": 0,
         "context_length": 4096,
+        "sampling_defaults": {},
         "load": load if state == "ready" else {},
         "error": None,
         "restarts": restarts,
