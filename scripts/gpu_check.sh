@@ -8,7 +8,8 @@
 # split to fit a time limit; with `bench`, BENCH_ARGS go to bench_gpu.py instead (e.g.
 # --overlap on --backends triton flashinfer).  Packages: specd's dependencies as usual (pip install -e
 # '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
-# stock PyTorch image lacks; flashinfer is optional) installed to a temporary directory.
+# stock PyTorch image lacks; flashinfer is optional; scripts/offline_gpu_wheels.py
+# downloads them) installed to a temporary directory.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
