@@ -79,3 +79,24 @@ def test_a_backend_for_another_device_is_refused(monkeypatch):
     fake_backend(monkeypatch, "gpu-only", ("cuda",))
     with pytest.raises(ValueError, match=r"does not run on cpu; backends for cpu: .*torch"):
         resolve_backend_name("gpu-only", "cpu")
+
+
+def test_head_sizes_a_backend_cannot_run_steer_auto_and_refuse_it_by_name(monkeypatch):
+    monkeypatch.setitem(
+        registry._CAPABILITIES,
+        "flashinfer",
+        BackendCapabilities(
+            "flashinfer", ("cuda",), True, True, (torch.bfloat16,), head_dims=(64, 128, 256)
+        ),
+    )
+    monkeypatch.setitem(registry._FACTORIES, "flashinfer", TorchAttentionBackend)
+    fake_backend(monkeypatch, "triton", ("cuda",))
+    bf16 = torch.bfloat16
+    assert resolve_backend_name("auto", "cuda", bf16, head_dims=[128, 128]) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", bf16, head_dims=[128, 96]) == "triton"  # draft
+    assert resolve_backend_name("flashinfer", "cuda", bf16, head_dims=[64]) == "flashinfer"
+    with pytest.raises(
+        ValueError, match=r"runs head sizes \[64, 128, 256\]; this model has \[16\]"
+    ):
+        resolve_backend_name("flashinfer", "cuda", bf16, head_dims=[16])
+    assert resolve_backend_name("triton", "cuda", bf16, head_dims=[16]) == "triton"  # any size

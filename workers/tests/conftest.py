@@ -46,3 +46,12 @@ def pair(tiny_models, tmp_path_factory):
     eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle"), target)
     eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"), target)
     return target, str(eagle), str(eagle3)
+
+
+@pytest.fixture(scope="session")
+def gpu_pair(tiny_models, tmp_path_factory):
+    """``pair`` with heads of 64 (flashinfer runs 64, 128 and 256): the CUDA matrix."""
+    target = tiny_models("hd64")
+    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle-hd64"), target)
+    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-hd64"), target)
+    return target, str(eagle), str(eagle3)

@@ -263,28 +263,29 @@ def cuda_backend(name: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def gpu_reference(request, pair):
+def gpu_reference(request, gpu_pair):
     """(dtype, prompts, torch-backend greedy outputs on the GPU in that dtype)."""
     prompts = random_prompts(6, 300, seed=13)
     model = {"dtype": request.param}
-    return request.param, prompts, reference_outputs(pair[0], prompts, device="cuda", model=model)
+    target = gpu_pair[0]
+    return request.param, prompts, reference_outputs(target, prompts, device="cuda", model=model)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @pytest.mark.parametrize("case", GPU_MATRIX)
-def test_cuda_backend_is_lossless(pair, gpu_reference, backend, case):
+def test_cuda_backend_is_lossless(gpu_pair, gpu_reference, backend, case):
     dtype, prompts, expected = gpu_reference
     caps = available_backends().get(cuda_backend(backend))
     if getattr(torch, dtype) not in caps.dtypes:
         pytest.skip(f"{backend} does not compute in {dtype}")
-    run_case(pair, backend, case, expected, prompts, device="cuda", model={"dtype": dtype})
+    run_case(gpu_pair, backend, case, expected, prompts, device="cuda", model={"dtype": dtype})
 
 
 @pytest.mark.gpu
-def test_decode_graphs_are_captured_and_exact(pair, gpu_reference):
+def test_decode_graphs_are_captured_and_exact(gpu_pair, gpu_reference):
     dtype, prompts, expected = gpu_reference
-    engine = graph_engine(pair[0], device="cuda", model={"dtype": dtype})
+    engine = graph_engine(gpu_pair[0], device="cuda", model={"dtype": dtype})
     check_graph_runs(engine, prompts[:4], expected[:4], "captured")
 
 
@@ -303,11 +304,13 @@ def test_captured_speculative_graphs_draft_like_eager_steps(backend, speculative
 
 
 @pytest.mark.gpu
-def test_auto_picks_a_cuda_backend(pair):
-    """``attentionBackend: auto`` on CUDA: flashinfer when installed, else Triton."""
+def test_auto_picks_a_cuda_backend(gpu_pair, pair):
+    """``attentionBackend: auto`` on CUDA: flashinfer when installed and the heads are a
+    size it runs, else Triton."""
     want = "flashinfer" if "flashinfer" in available_backends() else "triton"
-    engine = start_engine(pair[0], device="cuda", model={"dtype": "bfloat16"})
-    try:
-        assert engine.backend_name == want
-    finally:
-        engine.shutdown()
+    for target, expected in ((gpu_pair[0], want), (pair[0], "triton")):  # heads of 64, 16
+        engine = start_engine(target, device="cuda", model={"dtype": "bfloat16"})
+        try:
+            assert engine.backend_name == expected
+        finally:
+            engine.shutdown()

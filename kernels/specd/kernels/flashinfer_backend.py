@@ -69,6 +69,7 @@ def _host_indptr(lens: tuple[int, ...]) -> torch.Tensor:
         supports_paged_tree=True,
         dtypes=(torch.bfloat16, torch.float16),
         supports_graphs=True,
+        head_dims=(64, 128, 256),  # its FA2 prefill tiles head_dim in 64-wide steps
     )
 )
 class FlashInferAttentionBackend:

@@ -11,7 +11,7 @@ registry remembers why, so asking for one names the install step.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +33,10 @@ class BackendCapabilities:
     supports_paged_tree: bool  # page_size > 1 together with topk > 1
     dtypes: tuple[torch.dtype, ...] = ALL_DTYPES  # KV / query dtypes it computes in
     supports_graphs: bool = False  # graph_plan / update_graph_plan (CUDA-graph batches)
+    head_dims: tuple[int, ...] | None = None  # the head sizes its kernels take; None: any
+
+    def runs_head_dims(self, head_dims: Iterable[int]) -> bool:
+        return self.head_dims is None or all(d in self.head_dims for d in head_dims)
 
 
 class AttentionBackend(Protocol):
@@ -101,7 +105,9 @@ def available_backends() -> dict[str, BackendCapabilities]:
     return dict(_CAPABILITIES)
 
 
-def _pick_auto(device: str, dtype: torch.dtype | None, paged_tree: bool) -> str:
+def _pick_auto(
+    device: str, dtype: torch.dtype | None, paged_tree: bool, head_dims: tuple[int, ...]
+) -> str:
     backends = available_backends()
     if device != "cuda":
         return "torch"
@@ -112,20 +118,26 @@ def _pick_auto(device: str, dtype: torch.dtype | None, paged_tree: bool) -> str:
             and device in caps.devices
             and (dtype is None or dtype in caps.dtypes)
             and (caps.supports_paged_tree or not paged_tree)
+            and caps.runs_head_dims(head_dims)
         ):
             return name
     return "torch"
 
 
 def resolve_backend_name(
-    name: str, device: str, dtype: torch.dtype | None = None, paged_tree: bool = False
+    name: str,
+    device: str,
+    dtype: torch.dtype | None = None,
+    paged_tree: bool = False,
+    head_dims: Iterable[int] = (),
 ) -> str:
-    """Map ``auto`` to a concrete backend for ``device`` (the model's ``dtype``, and the
-    paged tree layout when the spec needs it) and check the backend is installed and
-    runs there."""
+    """Map ``auto`` to a concrete backend for ``device`` (the model's ``dtype``, the
+    paged tree layout when the spec needs it, the head sizes of the target and draft)
+    and check the backend is installed and runs there."""
     backends = available_backends()
+    head_dims = tuple(sorted(set(head_dims)))
     if name == "auto":
-        return _pick_auto(device, dtype, paged_tree)
+        return _pick_auto(device, dtype, paged_tree, head_dims)
     if name not in backends:
         why = f" ({_MISSING[name]})" if name in _MISSING else ""
         raise ValueError(
@@ -144,6 +156,11 @@ def resolve_backend_name(
             f"spec.model.dtype: backend {name!r} does not compute in "
             f"{str(dtype).removeprefix('torch.')}; use one of {able} or another "
             f"spec.attentionBackend"
+        )
+    if not caps.runs_head_dims(head_dims):
+        raise ValueError(
+            f"spec.attentionBackend: backend {name!r} runs head sizes {list(caps.head_dims)}; "
+            f"this model has {list(head_dims)}: use 'triton' or 'torch' (or 'auto')"
         )
     return name
 

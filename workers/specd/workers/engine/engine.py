@@ -284,8 +284,9 @@ class Engine:
         )
         try:
             paged_tree = self.spec_shape is not None and page > 1 and self.spec_shape.topk > 1
+            head_dims = [cfg.head_dim] + ([draft_cfg.head_dim] if draft_cfg is not None else [])
             backend_name = resolve_backend_name(
-                spec.attention_backend, self.device.type, dtype, paged_tree
+                spec.attention_backend, self.device.type, dtype, paged_tree, head_dims
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
