@@ -205,6 +205,15 @@ def test_sampling_defaults_take_the_spec_over_the_model_file():
     assert ignored.sampling_defaults.resolve(model_file) == {}
 
 
+def test_recommendations_specd_does_not_apply_are_named_unless_neutral():
+    model_file = {"temperature": 0.7, "repetition_penalty": 1.05, "min_p": 0.0}
+    defaults = parse_deployment(doc()).spec.sampling_defaults
+    assert defaults.resolve(model_file) == {"temperature": 0.7}
+    assert defaults.unapplied(model_file) == {"repetition_penalty": 1.05}
+    ignored = parse_deployment(doc(samplingDefaults={"fromModel": False})).spec
+    assert ignored.sampling_defaults.unapplied(model_file) == {}
+
+
 @pytest.mark.parametrize(
     "model_file,message",
     [

@@ -231,7 +231,7 @@ def test_the_loop_thread_under_overlap_runs_torch_on_one_core_and_no_other_threa
     assert threads_in_a_new_thread() == default
 
 
-def test_sampling_defaults_come_from_the_model_file_under_the_spec(tiny_models, tmp_path):
+def test_sampling_defaults_come_from_the_model_file_under_the_spec(tiny_models, tmp_path, caplog):
     folder = tmp_path / "model"
     shutil.copytree(tiny_models("gqa"), folder)
     generation = folder / "generation_config.json"
@@ -245,8 +245,9 @@ def test_sampling_defaults_come_from_the_model_file_under_the_spec(tiny_models, 
         finally:
             engine.shutdown()
 
-    recommended = {"do_sample": True, "temperature": 0.7, "top_p": 0.8}
+    recommended = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.1}
     assert defaults_with(recommended) == {"temperature": 0.7, "top_p": 0.8}
+    assert "recommends repetition_penalty=1.1, which specd does not apply" in caplog.text
     mine = defaults_with(recommended, samplingDefaults={"temperature": 0})
     assert mine == {"temperature": 0, "top_p": 0.8}
     with pytest.raises(ConfigError, match="generation_config.json has top_p=1.5"):

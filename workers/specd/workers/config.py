@@ -343,9 +343,12 @@ class SamplingDefaultsSpec(_Spec):
 
     def resolve(self, generation: dict[str, Any]) -> dict[str, float]:
         """Request defaults from this spec over ``generation`` (a model's
-        generation_config.json sampling keys as written; refused when out of range)."""
+        generation_config.json sampling keys as written; refused when out of range;
+        keys without a rule here are not applied, see ``unapplied``)."""
         out: dict[str, float] = {}
         for key, value in generation.items() if self.from_model else ():
+            if key not in _SAMPLING_RULES:
+                continue
             rule, ok = _SAMPLING_RULES[key]
             if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
                 raise ConfigError(
@@ -358,6 +361,16 @@ class SamplingDefaultsSpec(_Spec):
         if out.get("top_k") == 0:
             out["top_k"] = -1
         return out
+
+    def unapplied(self, generation: dict[str, Any]) -> dict[str, Any]:
+        """The model's recommendations specd does not apply (repetition_penalty, min_p)
+        when they would change anything."""
+        neutral = {"repetition_penalty": 1.0, "min_p": 0.0}
+        return {
+            key: value
+            for key, value in (generation.items() if self.from_model else ())
+            if key not in _SAMPLING_RULES and value != neutral.get(key)
+        }
 
 
 class DebugSpec(_Spec):

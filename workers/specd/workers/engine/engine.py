@@ -210,9 +210,16 @@ class Engine:
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
-        self.sampling_defaults = spec.sampling_defaults.resolve(
-            self.model_config.generation_sampling
-        )
+        recommended = self.model_config.generation_sampling
+        self.sampling_defaults = spec.sampling_defaults.resolve(recommended)
+        for key, value in spec.sampling_defaults.unapplied(recommended).items():
+            log.warning(
+                "engine %s: the model's generation_config.json recommends %s=%r, which "
+                "specd does not apply",
+                self.replica,
+                key,
+                value,
+            )
         self.spec_shape = SpecShape.from_spec(spec.speculative)
         self.spec_policy: SpecPolicy | None = None
         if spec.speculative is not None:

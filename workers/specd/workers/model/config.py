@@ -20,7 +20,9 @@ _ROPE_REQUIRED_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_REQUIRED_KEYS)
-GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # the keys vLLM applies
+# generation_config.json's sampling recommendations: vLLM applies all of these; specd the
+# first three (``SamplingDefaultsSpec.resolve``), and says so about the others
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 
 class ModelLoadError(ValueError):
@@ -59,8 +61,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # checkpoint dtype name, e.g. "bfloat16"
-    # generation_config.json's sampling settings as written (temperature, top_p, top_k);
-    # ``SamplingDefaultsSpec.resolve`` checks them and makes them request defaults
+    # generation_config.json's sampling recommendations as written (GENERATION_SAMPLING_KEYS)
     generation_sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
