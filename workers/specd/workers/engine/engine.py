@@ -49,6 +49,7 @@ from specd.workers.mem_cache.sizing import (
     row_width,
 )
 from specd.workers.metrics import EngineMetrics
+from specd.workers.model.config import ModelConfig
 from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
@@ -84,6 +85,21 @@ def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_si
 
 def pick_device(spec: DeploymentSpec) -> str:
     return "cuda" if spec.resources.gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+def sampling_defaults(spec: DeploymentSpec, config: ModelConfig, replica: str) -> dict:
+    """What requests that leave sampling fields out get (``SamplingDefaultsSpec``); the
+    model's recommendations specd does not apply are logged."""
+    recommended = config.generation_sampling
+    for key, value in spec.sampling_defaults.unapplied(recommended).items():
+        log.warning(
+            "engine %s: the model's generation_config.json recommends %s=%r, which specd "
+            "does not apply",
+            replica,
+            key,
+            value,
+        )
+    return spec.sampling_defaults.resolve(recommended)
 
 
 def single_threaded_torch_in_this_thread() -> None:
@@ -210,16 +226,7 @@ class Engine:
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
-        recommended = self.model_config.generation_sampling
-        self.sampling_defaults = spec.sampling_defaults.resolve(recommended)
-        for key, value in spec.sampling_defaults.unapplied(recommended).items():
-            log.warning(
-                "engine %s: the model's generation_config.json recommends %s=%r, which "
-                "specd does not apply",
-                self.replica,
-                key,
-                value,
-            )
+        self.sampling_defaults = sampling_defaults(spec, self.model_config, self.replica)
         self.spec_shape = SpecShape.from_spec(spec.speculative)
         self.spec_policy: SpecPolicy | None = None
         if spec.speculative is not None:
