@@ -395,13 +395,14 @@ def print_goals(goal_rows: list[dict]) -> None:
 
 
 # -- main --------------------------------------------------------------------------------
-def default_backends(device: str, dtype: torch.dtype) -> list[str]:
-    """Every registered backend that runs on ``device`` in ``dtype``."""
+def default_backends(device: str, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """Every registered backend that runs on ``device`` in ``dtype`` with heads of
+    ``head_dim`` (flashinfer: 64, 128 or 256; the tiny shape's are 32)."""
     kind = device.split(":")[0]
     return [
         name
         for name, caps in available_backends().items()
-        if kind in caps.devices and dtype in getattr(caps, "dtypes", (dtype,))
+        if kind in caps.devices and dtype in caps.dtypes and caps.runs_head_dims([head_dim])
     ]
 
 
@@ -429,7 +430,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    args.backends = args.backends or default_backends(args.device, getattr(torch, args.dtype))
+    args.backends = args.backends or default_backends(
+        args.device, getattr(torch, args.dtype), SHAPES[args.shape].head_dim
+    )
     if args.accept_len - 1 > args.steps:
         progress(f"# note: accept len {args.accept_len} > steps + 1: clamped to {args.steps + 1}")
     return args

@@ -220,3 +220,26 @@ def test_bench_gpu_smoke(tmp_path):
     assert [g["backend"] for g in report["goals"]] == ["torch"]
     assert report["floor_ms"] > 0 and report["weight_bytes"] > 0
     assert "floor" in done.stdout and "| torch | 2 |" in done.stdout
+
+
+def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monkeypatch):
+    import importlib.util
+
+    from specd.kernels import registry
+    from specd.kernels.registry import BackendCapabilities
+    from specd.kernels.torch_backend import TorchAttentionBackend
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks/bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    caps = BackendCapabilities(
+        "flashinfer", ("cuda",), True, True, (torch.bfloat16,), head_dims=(64, 128, 256)
+    )
+    monkeypatch.setitem(registry._CAPABILITIES, "flashinfer", caps)
+    monkeypatch.setitem(registry._FACTORIES, "flashinfer", TorchAttentionBackend)
+    eight_b, tiny = bench.SHAPES["8b"].head_dim, bench.SHAPES["tiny"].head_dim
+    assert "flashinfer" in bench.default_backends("cuda", torch.bfloat16, eight_b)
+    assert "flashinfer" not in bench.default_backends("cuda", torch.bfloat16, tiny)
+    on_cpu = bench.default_backends("cpu", torch.float32, eight_b)
+    assert "torch" in on_cpu and "flashinfer" not in on_cpu
