@@ -45,7 +45,8 @@ def _decode_slots(
     """The decode requests ``rows``' pool slots as one padded ``[b, max_kv]`` (0 where
     padded) and its ``[b, 1, 1, max_kv]`` validity mask; None when no row is padded."""
     lens = [meta.kv_lens[i] for i in rows]
-    if len(rows) == meta.batch_size and min(lens) == max(lens):  # the indices as they are
+    ragged = min(lens) != max(lens)
+    if len(rows) == meta.batch_size and not ragged:  # the indices as they are
         return meta.kv_indices.view(len(rows), lens[0]), None
     device = meta.kv_indices.device
     offsets = torch.arange(max(lens), device=device)
@@ -53,7 +54,6 @@ def _decode_slots(
     starts = torch.tensor([kv_indptr[i] for i in rows], device=device)
     flat = (starts[:, None] + offsets[None, :]).clamp(max=max(len(meta.kv_indices) - 1, 0))
     slots = torch.where(valid, meta.kv_indices[flat], 0)
-    ragged = min(lens) != max(lens)
     return slots, (valid[:, None, None, :] if ragged else None)  # SDPA is faster unmasked
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
 from specd.workers.engine.types import FinishReason, GenerateDelta, Usage
@@ -17,7 +17,7 @@ from specd.workers.metrics import EngineMetrics
 from specd.workers.scheduler.request import Req
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class RequestStream:
     """Where a request's deltas go: an asyncio queue on the caller's loop."""
 
@@ -146,12 +146,6 @@ class OutputProcessor:
             spec_verify_steps=req.spec_verify_steps,
             spec_accepted_tokens=req.spec_accepted_tokens,
         )
-        return GenerateDelta(
-            rid=delta.rid,
-            token_ids=delta.token_ids,
-            text=delta.text,
-            finished=True,
-            finish_reason=req.finish_reason,
-            usage=usage,
-            error=req.error,
+        return dataclasses.replace(
+            delta, finished=True, finish_reason=req.finish_reason, usage=usage, error=req.error
         )
