@@ -1,5 +1,4 @@
-"""oneDNN pre-packed linear layers match nn.Linear, swap in place, and are used from the
-row count where this machine's timing says they pay."""
+"""CPU linear layouts match nn.Linear, swap in place, and follow this machine's timing."""
 
 import pytest
 import torch
@@ -7,33 +6,62 @@ from torch import nn
 from torch.profiler import profile
 
 from specd.workers.model.cpu_linear import (
-    PackedLinear,
-    packed_from_rows,
-    prepack_linears,
+    LAYOUTS,
+    CpuLinear,
+    fastest_layout,
+    layouts_for,
     prepack_supported,
-)
-
-pytestmark = pytest.mark.skipif(
-    not prepack_supported(torch.float32), reason="this torch build has no oneDNN packing"
+    relayout_linears,
 )
 
 
+def _layout_that_ran(layer: nn.Module, rows: int) -> str:
+    """Which layout's kernel a call ran, from the ops a profiler saw: ``F.linear`` on the
+    stored weight, a plain ``mm`` on a pre-transposed one, or oneDNN's packed kernel."""
+    with torch.inference_mode(), profile() as prof:
+        layer(torch.randn(rows, layer.in_features))
+    names = {e.name for e in prof.events()}
+    if "mkldnn::_linear_pointwise" in names:
+        assert not names & {"aten::linear", "aten::mm", "aten::addmm"}
+        return "packed"
+    if "aten::linear" in names:
+        return "plain"
+    assert "aten::mm" in names and "aten::t" not in names  # no transpose per call
+    return "transposed"
+
+
+@pytest.mark.parametrize("layout", layouts_for(torch.float32))
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_matches_linear(rows, bias):
+def test_every_layout_matches_linear(layout, rows, bias):
     torch.manual_seed(rows)
     linear = nn.Linear(64, 96, bias=bias)
     x = torch.randn(rows, 64)
+    layer = CpuLinear(linear, layout)
+    assert _layout_that_ran(layer, rows) == layout
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)
+        x3 = torch.randn(2, rows, 64)  # leading batch dims pass through
+        torch.testing.assert_close(layer(x3), linear(x3), atol=1e-5, rtol=1e-5)
 
 
-def test_prepack_swaps_every_linear_and_skips_unsupported_dtypes():
+def test_transposed_layout_holds_one_weight_copy_in_its_own_layout():
+    linear = nn.Linear(32, 48)
+    layer = CpuLinear(linear, "transposed")
+    assert layer.weight.shape == (32, 48) and layer.weight.is_contiguous()
+    assert [name for name, _ in layer.named_parameters()] == []  # plain tensors, one copy
+    with pytest.raises(ValueError, match="unknown CPU linear layout 'tiled'"):
+        CpuLinear(linear, "tiled")
+
+
+def test_relayout_swaps_every_linear_and_skips_packing_where_unsupported():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
-    assert prepack_linears(model, always=True) == 2
-    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert relayout_linears(model, "transposed") == 2
+    assert isinstance(model[0], CpuLinear) and model[2][0].layout == "transposed"
     half = nn.Sequential(nn.Linear(8, 8)).half()
-    assert prepack_linears(half) == 0 and isinstance(half[0], nn.Linear)
+    assert relayout_linears(half, "packed") == 0 and isinstance(half[0], nn.Linear)
+    with pytest.raises(ValueError, match="one of"):
+        relayout_linears(nn.Sequential(nn.Linear(8, 8)), "tiled")
 
 
 def test_bf16_is_packed_only_where_this_cpu_can_and_still_runs_where_it_cannot():
@@ -42,43 +70,27 @@ def test_bf16_is_packed_only_where_this_cpu_can_and_still_runs_where_it_cannot()
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = model(x)
-        packed = prepack_linears(model, always=True)
+        packed = relayout_linears(model, "packed")
         assert packed == (1 if prepack_supported(torch.bfloat16) else 0)
-        assert isinstance(model[0], PackedLinear) == bool(packed)
+        assert isinstance(model[0], CpuLinear) == bool(packed)
         torch.testing.assert_close(model(x), expected, atol=2e-2, rtol=2e-2)
 
 
-def _ran_packed(layer: PackedLinear, rows: int) -> bool:
-    with torch.inference_mode(), profile() as prof:
-        layer(torch.randn(rows, layer.in_features))
-    return any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_packed_weight_is_used_from_its_row_count(bias):
-    """Below ``from_rows`` the plain weight runs (F.linear), from it the packed one;
-    both give nn.Linear's result.  Packed from row 1 keeps no plain copy."""
-    torch.manual_seed(0)
-    linear = nn.Linear(32, 48, bias=bias)
-    layer = PackedLinear(linear, from_rows=8)
-    assert [_ran_packed(layer, rows) for rows in (1, 7, 8, 40)] == [False, False, True, True]
-    with torch.inference_mode():
-        for rows in (3, 8):
-            x = torch.randn(rows, 32)
-            torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)
-    assert PackedLinear(linear).weight is None and _ran_packed(PackedLinear(linear), 1)
-
-
-def test_measured_packing_follows_the_timed_decision_per_shape():
-    """Default prepacking times each weight shape once per process (cached) and packs a
-    layer only where packing won: a model's layers of one shape share the decision."""
+def test_default_layout_follows_the_timed_decision_per_shape():
+    """Default relayout times each weight shape once per process (cached): a model's
+    layers of one shape share the decision, and a layer timed fastest ``plain`` stays an
+    ``nn.Linear``."""
+    fastest_layout.cache_clear()
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 256))
-    decisions = [packed_from_rows(torch.float32, m.in_features, m.out_features) for m in model]
-    assert all(d in (None, 1, 8, 32) for d in decisions)
-    swapped = prepack_linears(model)
-    assert swapped == sum(d is not None for d in decisions)
+    decisions = [fastest_layout(torch.float32, m.in_features, m.out_features) for m in model]
+    assert set(decisions) <= set(layouts_for(torch.float32)) <= set(LAYOUTS)
+    assert decisions[0] == decisions[2]
+    swapped = relayout_linears(model)
+    assert swapped == sum(d != "plain" for d in decisions)
     for layer, decision in zip(model, decisions, strict=True):
-        assert isinstance(layer, PackedLinear) == (decision is not None)
-        if decision is not None:
-            assert layer.from_rows == decision
-    assert packed_from_rows.cache_info().hits >= 3
+        if decision == "plain":
+            assert type(layer) is nn.Linear
+        else:
+            assert layer.layout == decision
+            assert _layout_that_ran(layer, 4) == decision
+    assert fastest_layout.cache_info().hits >= 3 and fastest_layout.cache_info().misses == 2

@@ -1,11 +1,21 @@
-"""oneDNN pre-packed linear layers for CPU inference.
+"""CPU linear layers whose weight layout is the one timed fastest on this machine.
 
-``F.linear`` on CPU reads the weight in its PyTorch layout on every call; oneDNN can
-reorder it once into its blocked layout (vLLM's CPU build does too).  Whether that is
-faster depends on the CPU's BLAS and the rows per call, so each weight shape is timed
-once at load (``packed_from_rows``) and packed only from the row count where it wins.
+``F.linear`` reads the weight as PyTorch stores it, ``[out, in]``, on every call.  Two
+other layouts can be made once at load:
+
+- ``transposed``: ``[in, out]``, run as ``x @ w``.  MKL's small-row kernels stream a
+  large weight better this way: on a 2-core Sapphire Rapids VM in float32, the demo's
+  [8192, 512] lm_head takes 363 us at 6 rows (a verify) vs 609 us plain, and a decode
+  step at 32 rows is 25% cheaper across the model.
+- ``packed``: oneDNN's blocked layout (vLLM's CPU build pre-packs too).  It won at
+  every row count (2x) on a 2-core AMD EPYC VM in float32, and with AMX it runs bfloat16
+  2-4x faster than either other layout on Sapphire Rapids.
+
+No layout wins everywhere, so each weight shape is timed once per process at load
+(``fastest_layout``, with cold caches as in a forward pass) and its layers keep that one
+layout, one copy of the weight.
 Results match ``F.linear`` to float rounding (~1e-5 in float32); the exactness tests
-against transformers run with packing on.
+against transformers run with the timed layouts.
 """
 
 from __future__ import annotations
@@ -13,12 +23,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+LAYOUTS = ("plain", "transposed", "packed")
 
 
 @functools.cache
@@ -39,91 +52,136 @@ def prepack_supported(dtype: torch.dtype) -> bool:
     return True
 
 
-# rows per call at which packed and plain are timed; from a few hundred rows (prefill)
-# they are within a few percent of each other on both CPUs measured
+def layouts_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The layouts this CPU can hold ``dtype`` weights in."""
+    return LAYOUTS if prepack_supported(dtype) else LAYOUTS[:2]
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _transposed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    out = torch.matmul(x, weight)  # weight [in, out]
+    return out if bias is None else out.add_(bias)
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_FORWARD: dict[str, Callable] = {"plain": _plain, "transposed": _transposed, "packed": _packed}
+
+
+def stored_weight(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """``weight`` ([out, in], as ``nn.Linear`` holds it) rearranged into ``layout``."""
+    weight = weight.detach()
+    if layout == "transposed":
+        return weight.t().contiguous()  # [in, out]
+    if layout == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    return weight
+
+
+# rows per call at which the layouts are timed: decode at batch 1, a verify or a small
+# batch, a large batch.  From a few hundred rows (prefill) they are within a few percent.
 _ROW_LADDER = (1, 8, 32)
+# Timing reads this much weight per round, cycling through copies: in a forward pass a
+# weight comes back to a core after every other layer's weights, so it is not in the
+# core's L2 (2 MB on Sapphire Rapids).  Timed hot, MKL's plain layout looks fastest at 8
+# rows for the demo's 2-3 MB matrices, and a decode step at 32 rows runs 4% slower.
+_COLD_BYTES = 48 << 20
+# Larger weights are timed on their first outputs only (cost is linear in outputs).
+_TIMED_ELEMENTS = 1 << 22
 
 
-def _best_seconds(fn, x: torch.Tensor, calls: int = 3, tries: int = 3) -> float:
-    fn(x)  # warm-up (oneDNN builds its primitive on the first call)
+def _timed_weights(dtype: torch.dtype, in_features: int, out_features: int, layout: str):
+    """Copies of one random weight in ``layout``, enough that a round through them
+    leaves the core's caches cold."""
+    out_features = max(1, min(out_features, _TIMED_ELEMENTS // in_features))
+    weight = torch.randn(out_features, in_features, dtype=dtype) * in_features**-0.5
+    copies = min(64, -(-_COLD_BYTES // (weight.numel() * weight.element_size())))
+    return [stored_weight(weight.clone(), layout) for _ in range(copies)]  # distinct memory
+
+
+def _seconds_per_call(layout: str, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    forward = _FORWARD[layout]
     best = float("inf")
-    for _ in range(tries):
+    for attempt in range(4):  # the first round warms up (oneDNN builds its primitive)
         start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+        for weight in weights:
+            forward(x, weight, None)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best / len(weights)
 
 
 @functools.cache
 @torch.inference_mode()
-def packed_from_rows(dtype: torch.dtype, in_features: int, out_features: int) -> int | None:
-    """From how many rows per call the packed weight beats ``F.linear`` for this shape on
-    this machine: 1 = always, ``None`` = never.  Timed once per shape and process.
-
-    It depends on the CPU's BLAS: measured on a 2-core AMD EPYC VM, packing won at every
-    row count (2x); on a 2-core Sapphire Rapids VM, plain MKL won at 1 row (by 1.1-2x),
-    packing won by 1.1-1.5x at 8-32 rows for some shapes, and neither from 128 rows.
-    """
-    weight = torch.randn(out_features, in_features, dtype=dtype) * in_features**-0.5
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    from_rows = None
-    for rows in reversed(_ROW_LADDER):
+def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int) -> str:
+    """The layout whose calls are fastest for this weight shape on this machine, timed
+    once per shape and process with cold caches.  Each row count of ``_ROW_LADDER``
+    weighs the same: a layout's score is the sum of its time relative to ``plain``."""
+    weights = {
+        layout: _timed_weights(dtype, in_features, out_features, layout)
+        for layout in layouts_for(dtype)
+    }
+    scores = dict.fromkeys(weights, 0.0)
+    for rows in _ROW_LADDER:
         x = torch.randn(rows, in_features, dtype=dtype)
-        plain_s = _best_seconds(lambda x: F.linear(x, weight), x)
-        packed_s = _best_seconds(lambda x: _packed_linear(x, packed, None), x)
-        if packed_s >= plain_s:
-            break
-        from_rows = rows
-    log.debug("%s linear %dx%d: packed from %s rows", dtype, in_features, out_features, from_rows)
-    return from_rows
+        seconds = {layout: _seconds_per_call(layout, w, x) for layout, w in weights.items()}
+        for layout, s in seconds.items():
+            scores[layout] += s / seconds["plain"]
+    best = min(scores, key=scores.get)
+    log.debug("%s linear %dx%d: %s (scores %s)", dtype, in_features, out_features, best, scores)
+    return best
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+class CpuLinear(nn.Module):
+    """Inference-only stand-in for ``nn.Linear`` holding its weight in one of ``LAYOUTS``."""
 
-
-class PackedLinear(nn.Module):
-    """Inference-only stand-in for ``nn.Linear`` holding a oneDNN-packed weight, used
-    from ``from_rows`` rows per call; below that it keeps the plain weight and
-    ``F.linear`` (where the CPU's BLAS is faster for small batches)."""
-
-    def __init__(self, linear: nn.Linear, from_rows: int = 1):
+    def __init__(self, linear: nn.Linear, layout: str):
         super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown CPU linear layout {layout!r}; one of {LAYOUTS}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.from_rows = from_rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.weight = linear.weight.detach() if from_rows > 1 else None
+        self.layout = layout
+        self.weight = stored_weight(linear.weight, layout)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self._forward = _FORWARD[layout]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] -> [N, out]."""
-        if x.numel() < self.from_rows * self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed, self.bias)
+        """x [..., in] -> [..., out]."""
+        return self._forward(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, layout={self.layout}"
 
 
-def prepack_linears(model: nn.Module, always: bool = False) -> int:
-    """Swap CPU ``nn.Linear`` layers of ``model`` for ``PackedLinear``; returns the count.
+def relayout_linears(model: nn.Module, layout: str | None = None) -> int:
+    """Swap CPU ``nn.Linear`` layers of ``model`` for ``CpuLinear`` in the layout timed
+    fastest for their shape (``fastest_layout``), or in ``layout`` for every one; a layer
+    whose fastest is ``plain`` stays as it is.  Returns how many were swapped.
 
-    Each shape is packed where timing says it pays (``packed_from_rows``), or every one
-    with ``always``.  Leaves the model unchanged (and logs why) where oneDNN cannot pack
-    its dtype.
+    A ``packed`` request where oneDNN cannot pack the dtype leaves the model unchanged
+    (and logs why).
     """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"unknown CPU linear layout {layout!r}; one of {LAYOUTS}")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears or linears[0][1].weight.device.type != "cpu":
         return 0
     dtype = linears[0][1].weight.dtype
-    if not prepack_supported(dtype):
-        log.info("oneDNN weight packing unavailable for %s; using plain linear layers", dtype)
+    if layout is not None and layout not in layouts_for(dtype):
+        log.info("oneDNN cannot pack %s weights on this CPU; keeping plain linear layers", dtype)
         return 0
     swapped = 0
     for name, linear in linears:
         shape = (linear.weight.dtype, linear.in_features, linear.out_features)
-        from_rows = 1 if always else packed_from_rows(*shape)
-        if from_rows is None:
+        chosen = layout or fastest_layout(*shape)
+        if chosen == "plain":
             continue
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, PackedLinear(linear, from_rows))
+        setattr(model.get_submodule(parent_name), child, CpuLinear(linear, chosen))
         swapped += 1
     return swapped

@@ -5,7 +5,8 @@ runs each group as one matmul (vLLM's ``QKVParallelLinear`` / ``MergedColumnPara
 At decode the matmuls are weight reads, and the small ones read far below memory
 bandwidth: an 8B Llama's k and v projections are 8 MB each, too little to fill an H100,
 so one [6144, 4096] read beats three.  Fusing also cuts a layer's matmuls from 7 to 4 on
-every device.  Then, on CPU, linear weights are pre-packed for oneDNN (``cpu_linear``).
+every device.  Then, on CPU, each linear weight is stored in the layout timed
+fastest for its shape (``cpu_linear``).
 
 The modules load with the checkpoint's names first (so loading and its error messages
 stay 1:1 with ``transformers``); fusion runs after, one layer at a time, so the extra
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specd.workers.model.cpu_linear import prepack_linears
+from specd.workers.model.cpu_linear import relayout_linears
 from specd.workers.model.llama import LlamaAttention, LlamaMLP
 
 
@@ -56,11 +57,12 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 def to_inference_layout(model: nn.Module) -> None:
-    """Fuse the projections, then pre-pack linear weights where the model is on CPU.
+    """Fuse the projections, then lay out linear weights for speed where the model is on
+    CPU.
 
     On CUDA the unfused weights' memory goes back to the device: the caching allocator
     would keep it, and the KV pool is sized from the device's free memory.
     """
     if fuse_projections(model) and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    prepack_linears(model)
+    relayout_linears(model)

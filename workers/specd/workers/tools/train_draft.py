@@ -60,7 +60,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specd.workers.config import DraftAlgorithm
 from specd.workers.model.config import ModelConfig
-from specd.workers.model.cpu_linear import prepack_linears
+from specd.workers.model.cpu_linear import relayout_linears
 from specd.workers.model.draft_loader import load_draft, parse_draft_config
 from specd.workers.model.eagle import EagleDraftModel
 from specd.workers.model.forward_context import ForwardContext
@@ -396,7 +396,7 @@ def load_target(args: DraftArgs) -> tuple[LlamaForCausalLM, ModelConfig, nn.Modu
     embed = nn.Embedding.from_pretrained(target.model.embed_tokens.weight.float(), freeze=True)
     head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     head.weight = nn.Parameter(target.lm_head.weight.detach().float(), requires_grad=False)
-    prepack_linears(target, always=True)  # the arithmetic the shipped head was trained with
+    relayout_linears(target, "packed")  # the arithmetic the shipped head was trained with
     return target, config, embed, head
 
 
