@@ -122,16 +122,15 @@ def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int) -> s
     """The layout whose calls are fastest for this weight shape on this machine, timed
     once per shape and process with cold caches.  Each row count of ``_ROW_LADDER``
     weighs the same: a layout's score is the sum of its time relative to ``plain``."""
-    weights = {
-        layout: _timed_weights(dtype, in_features, out_features, layout)
-        for layout in layouts_for(dtype)
+    inputs = [torch.randn(rows, in_features, dtype=dtype) for rows in _ROW_LADDER]
+    seconds = {}
+    for layout in layouts_for(dtype):  # one layout's copies in memory at a time
+        weights = _timed_weights(dtype, in_features, out_features, layout)
+        seconds[layout] = [_seconds_per_call(layout, weights, x) for x in inputs]
+    scores = {
+        layout: sum(s / p for s, p in zip(times, seconds["plain"], strict=True))
+        for layout, times in seconds.items()
     }
-    scores = dict.fromkeys(weights, 0.0)
-    for rows in _ROW_LADDER:
-        x = torch.randn(rows, in_features, dtype=dtype)
-        seconds = {layout: _seconds_per_call(layout, w, x) for layout, w in weights.items()}
-        for layout, s in seconds.items():
-            scores[layout] += s / seconds["plain"]
     best = min(scores, key=scores.get)
     log.debug("%s linear %dx%d: %s (scores %s)", dtype, in_features, out_features, best, scores)
     return best
