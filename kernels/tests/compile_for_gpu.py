@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specd.kernels import triton_attention, triton_ops
+from specd.kernels import triton_attention, triton_elementwise, triton_ops
 
 _STRIDES = "i32 " * 8
 EXTEND = "*{t} *{t} *{t} *{t} *i64 *i64 *i64 {mask} fp32 " + _STRIDES
@@ -45,6 +45,11 @@ CASES = [
      dict(GROUP=1, HEAD_DIM=24, BLOCK_M=16, BLOCK_N=64, BLOCK_D=32)),
     (triton_attention, "_decode_reduce_kernel", REDUCE.format(t="bf16"),
      dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128)),
+    (triton_elementwise, "_rms_norm_kernel", "*bf16 *bf16 *bf16 i32 i32 fp32", dict(BLOCK_H=4096)),
+    (triton_elementwise, "_rms_norm_kernel", "*fp32 *fp32 *fp32 i32 i32 fp32", dict(BLOCK_H=512)),
+    (triton_elementwise, "_silu_and_mul_kernel", "*bf16 *bf16 i32 i32", dict(BLOCK=1024)),
+    (triton_elementwise, "_rotary_kernel", "*bf16 *bf16 *bf16 *bf16 i32 i32 i32", dict(D=128, BLOCK=1024)),
+    (triton_elementwise, "_rotary_kernel", "*fp32 *fp32 *fp32 *fp32 i32 i32 i32", dict(D=64, BLOCK=1024)),
 ]  # fmt: skip
 
 

@@ -23,4 +23,4 @@ def test_every_kernel_compiles_for_h100():
     if done.returncode == 2:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "compiled 17 of 17" in done.stdout
+    assert "compiled 22 of 22" in done.stdout

@@ -15,7 +15,11 @@ from specd.kernels import build_attention_metadata, get_backend
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.model.config import ModelConfig, ModelLoadError, parse_rope
 from specd.workers.model.forward_context import ForwardContext
-from specd.workers.model.inference_layout import fuse_projections, stack_linears
+from specd.workers.model.inference_layout import (
+    fuse_projections,
+    stack_linears,
+    use_fused_elementwise,
+)
 from specd.workers.model.loader import load_model
 from specd.workers.model.rope import RotaryEmbedding
 from specd.workers.model.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
@@ -329,6 +333,27 @@ def test_inference_layout_fuses_projections_and_keeps_outputs(variant, tmp_path)
     rows = list(range(len(prompts)))
     got = PagedRunner(fused, page_size=4, num_pages=16, shuffle=True).extend(rows, prompts)
     want = PagedRunner(plain, page_size=4, num_pages=16, shuffle=True).extend(rows, prompts)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_fused_elementwise_kernels_keep_the_model_outputs(gqa_dir):
+    """With RMSNorm, SiLU-and-mul and RoPE on their Triton kernels (as on CUDA; here in
+    Triton's interpreter) a paged prefill and decode give the eager model's logits."""
+    pytest.importorskip("triton")
+    eager, config = load_model(gqa_dir, dtype="float32")
+    fused, _ = load_model(gqa_dir, dtype="float32")
+    layers = config.num_hidden_layers
+    assert use_fused_elementwise(fused) == 2 * layers + 1 + 2 * layers  # norms, MLPs, attns
+    layer = fused.model.layers[0]
+    assert layer.input_layernorm.fused and layer.mlp.fused_silu_and_mul
+    assert layer.self_attn.fused_rotary
+    prompts = _prompts(config.vocab_size, (7, 3))
+    runners = [PagedRunner(m, page_size=4, num_pages=16, shuffle=True) for m in (eager, fused)]
+    want, got = (r.extend([0, 1], prompts) for r in runners)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    step = [[int(t)] for t in want.view(-1, config.vocab_size)[[6, 9]].argmax(-1)]
+    want, got = (r.extend([0, 1], step) for r in runners)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 

@@ -6,7 +6,9 @@ At decode the matmuls are weight reads, and the small ones read far below memory
 bandwidth: an 8B Llama's k and v projections are 8 MB each, too little to fill an H100,
 so one [6144, 4096] read beats three.  Fusing also cuts a layer's matmuls from 7 to 4 on
 every device.  Then, on CPU, each linear weight is stored in the layout timed
-fastest for its shape (``cpu_linear``).
+fastest for its shape (``cpu_linear``); on CUDA, RMSNorm, SiLU-and-mul and RoPE run as
+one Triton launch each (``specd.kernels.triton_elementwise``): in bf16 a layer's 23
+eager elementwise kernels (two norms of 8, SiLU-and-mul 2, RoPE 5) become 4.
 
 The modules load with the checkpoint's names first (so loading and its error messages
 stay 1:1 with ``transformers``); fusion runs after, one layer at a time, so the extra
@@ -15,11 +17,13 @@ memory is one layer's projections.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
 
 from specd.workers.model.cpu_linear import relayout_linears
-from specd.workers.model.llama import LlamaAttention, LlamaMLP
+from specd.workers.model.llama import LlamaAttention, LlamaMLP, RMSNorm
 
 
 def stack_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -56,13 +60,36 @@ def fuse_projections(model: nn.Module) -> int:
     return fused
 
 
+def use_fused_elementwise(model: nn.Module) -> int:
+    """Point every RMSNorm, fused SiLU-and-mul and RoPE of ``model`` at its Triton kernel;
+    returns how many modules now launch one.  Works wherever Triton runs (CUDA, or the
+    interpreter on CPU in tests)."""
+    from specd.kernels import triton_elementwise as te
+
+    fused = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = te.rms_norm
+        elif isinstance(module, LlamaMLP) and module.gate_up_proj is not None:
+            module.fused_silu_and_mul = te.silu_and_mul
+        elif isinstance(module, LlamaAttention):
+            module.fused_rotary = te.rotary
+        else:
+            continue
+        fused += 1
+    return fused
+
+
 def to_inference_layout(model: nn.Module) -> None:
-    """Fuse the projections, then lay out linear weights for speed where the model is on
-    CPU.
+    """Fuse the projections; then on CPU lay out linear weights for speed, and on CUDA
+    (with Triton installed) fuse the elementwise steps.
 
     On CUDA the unfused weights' memory goes back to the device: the caching allocator
     would keep it, and the KV pool is sized from the device's free memory.
     """
-    if fuse_projections(model) and torch.cuda.is_available():
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if fuse_projections(model) and on_cuda:
         torch.cuda.empty_cache()
+    if on_cuda and importlib.util.find_spec("triton") is not None:
+        use_fused_elementwise(model)
     relayout_linears(model)

@@ -6,10 +6,13 @@ slots each query reads all come from the ``ForwardContext`` (see ``specd.kernels
 
 Module and parameter names are exactly those of ``transformers`` so a checkpoint's
 state dict loads 1:1 (``model.layers.{i}.self_attn.q_proj.weight``, ...); the loaders
-then fuse q/k/v and gate/up for serving (``inference_layout.py``).
+then fuse q/k/v and gate/up for serving (``inference_layout.py``), and on CUDA point
+RMSNorm, SiLU-and-mul and RoPE at one-launch Triton kernels (``fused`` attributes).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +33,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused: Callable | None = None  # (x, weight, eps) -> out, one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -54,6 +60,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
         self.qkv_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj: nn.Module | None = None  # q|k|v as one matmul (inference_layout.py)
+        self.fused_rotary: Callable | None = None  # apply_rotary in one launch
 
     def rotated_qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -62,14 +69,15 @@ class LlamaAttention(nn.Module):
         [N, kv_heads, hd].  Fused, q and k are adjacent columns of one output and take
         one rotation (the same arithmetic, half the ops)."""
         n, hd = x.shape[0], self.head_dim
+        rotate = self.fused_rotary or apply_rotary
         if self.qkv_proj is None:
             q = self.q_proj(x).view(n, self.num_heads, hd)
             k = self.k_proj(x).view(n, self.num_kv_heads, hd)
             v = self.v_proj(x).view(n, self.num_kv_heads, hd)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            return rotate(q, cos, sin), rotate(k, cos, sin), v
         qkv = self.qkv_proj(x)
         qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
-        qk = apply_rotary(qkv[:, :qk_size].view(n, -1, hd), cos, sin)
+        qk = rotate(qkv[:, :qk_size].view(n, -1, hd), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, qkv[:, qk_size:].view(n, self.num_kv_heads, hd)
 
@@ -92,10 +100,13 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gate_up_proj: nn.Module | None = None  # gate|up as one matmul (inference_layout.py)
+        self.fused_silu_and_mul: Callable | None = None  # gate|up [N, 2I] -> [N, I], one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        elif self.fused_silu_and_mul is not None:
+            return self.down_proj(self.fused_silu_and_mul(self.gate_up_proj(x)))
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
