@@ -6,8 +6,8 @@ sum): 23 per layer with its two norms, 4 here.  At decode each is a launch over 
 thousand elements, and on a GPU their fixed cost adds up across 32 layers (SGLang and
 vLLM fuse them for the same reason).  These kernels keep the eager rounding order of
 ``transformers`` (compute in float32, round to the activation dtype where the eager code
-does), so RoPE and the products are bit-identical to it on a GPU; RMSNorm's mean and
-SiLU's ``exp`` may differ in the last float32 bit.  (Triton's CPU interpreter truncates
+does), so RoPE and the products round exactly as eager does; RMSNorm's mean and SiLU's
+``exp`` may differ in the last float32 bit.  (Triton's CPU interpreter truncates
 float32 -> bf16 instead of rounding to nearest, so bf16 is checked on the GPU only.)
 """
 
