@@ -202,8 +202,8 @@ class ModelRunner:
         ends = exclusive_cumsum(batch.extend_lens)[1:]
         last = [end - 1 for end, sampled in zip(ends, batch.sample, strict=True) if sampled]
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        if last:  # every row sampled (decode): no row gather
-            rows_out = (
+        if last:
+            rows_out = (  # every row sampled (decode): no row gather
                 hidden if len(last) == len(hidden) else hidden[host_tensor(last, self.device)]
             )
             logits = self.model.compute_logits(rows_out)  # [num_sampled, vocab] float32
