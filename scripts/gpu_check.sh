@@ -9,18 +9,20 @@
 # --overlap on --backends triton flashinfer).  Packages: specd's dependencies as usual (pip install -e
 # '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
 # stock PyTorch image lacks; flashinfer is optional; scripts/offline_gpu_wheels.py
-# downloads them) installed to a temporary directory.
+# downloads them) installed to /tmp/specd-site, which later runs on the same host reuse
+# without SPECD_WHEELS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
 out="${2:-gpu-check}"
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
+site=/tmp/specd-site  # the carried wheels, installed once per host: later runs reuse them
 if [[ -n "${SPECD_WHEELS:-}" ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specd-site \
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
     "$SPECD_WHEELS"/*.whl || exit
-  export PYTHONPATH="/tmp/specd-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+[[ -d "$site" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import specd.workers' 2>/dev/null || export PYTHONPATH="workers:kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 { nvidia-smi; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

@@ -2,7 +2,10 @@
 (and, on a GPU, every CUDA backend against the torch one).
 
 On CPU the kernels run in Triton's interpreter (the root conftest sets TRITON_INTERPRET=1),
-so shapes stay small; bf16 and production shapes are in the GPU class."""
+so shapes stay small; bf16 and production shapes are in the GPU class.  The interpreter
+keeps bf16 as raw uint16 and its ``tl.dot`` multiplies the bit patterns (a 16x16 product
+comes out near 1e10; triton-lang/triton#11584, "not supported yet"), so float16 stands in
+for the half-precision path on CPU: the same kernel code, only the element type differs."""
 
 import math
 

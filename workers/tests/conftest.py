@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specd.workers.testing import DEMO_MODELS
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 
@@ -49,9 +50,12 @@ def pair(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gpu_pair(tiny_models, tmp_path_factory):
-    """``pair`` with heads of 64 (flashinfer runs 64, 128 and 256): the CUDA matrix."""
-    target = tiny_models("hd64")
-    eagle = make_tiny_eagle(tmp_path_factory.mktemp("eagle-hd64"), target)
-    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-hd64"), target)
-    return target, str(eagle), str(eagle3)
+def gpu_pair(tmp_path_factory):
+    """The CUDA matrix's (target, EAGLE, EAGLE-3): the shipped trained pair and a random
+    EAGLE-3 head on its target.  Trained weights keep bf16 rounding far below most top-two
+    logit gaps (random weights large enough to give varied text stray by whole logits in
+    bf16), the trained draft really accepts, and the heads are 64 wide (flashinfer runs
+    64, 128 and 256)."""
+    target = str(DEMO_MODELS / "demo-target")
+    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-demo"), target)
+    return target, str(DEMO_MODELS / "demo-eagle"), str(eagle3)

@@ -93,8 +93,6 @@ _VARIANTS: dict[str, tuple[tuple[type, type], dict[str, Any]]] = {
     ),
     "linear": (_LLAMA, dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
     "mistral": ((MistralConfig, MistralForCausalLM), dict(sliding_window=None)),
-    # heads of 64 (flashinfer's smallest): the CUDA backends' matrix
-    "hd64": (_LLAMA, dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),
 }
 VARIANTS = tuple(_VARIANTS)
 
