@@ -50,12 +50,15 @@ class GreedyJudge:
         """Assert every token of ``outputs`` is within tolerance of the float32 greedy
         choice after its own prefix."""
         for n, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
-            short = self.shortfalls(prompt, tokens)
-            worst = max(range(len(tokens)), key=short.__getitem__, default=None)
-            assert worst is None or short[worst] <= self.tolerance, (
-                f"output {n}, token {worst} ({tokens[worst]}): {short[worst]:.3f} logits "
-                f"below the float32 greedy choice (tolerance {self.tolerance})"
-            )
+            self._check_tokens(n, prompt, tokens)
+
+    def _check_tokens(self, n: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
+        short = self.shortfalls(prompt, tokens)
+        worst = max(range(len(tokens)), key=short.__getitem__, default=None)
+        assert worst is None or short[worst] <= self.tolerance, (
+            f"output {n}, token {worst} ({tokens[worst]}): {short[worst]:.3f} logits "
+            f"below the float32 greedy choice (tolerance {self.tolerance})"
+        )
 
     def check_close(
         self, prompts: Sequence[Sequence[int]], outputs: list[list[int]], expected: list[list[int]]
@@ -76,5 +79,5 @@ class GreedyJudge:
                 f"{want[part]}), {got_short:.3f} and {want_short:.3f} logits below the "
                 f"float32 greedy choice: not a near tie (tolerance {self.tolerance})"
             )
-            self.check_greedy([prompt], [got])
+            self._check_tokens(n, prompt, got)
         return exact
