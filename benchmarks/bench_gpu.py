@@ -14,10 +14,13 @@ Per backend and batch: tokens/s without and with speculation (untimed warm-up, t
 H100) and the measured accept length (from usage).  Plain decode at batch 1 against the
 weight-read floor: target weight bytes one decode step reads / device memory bandwidth
 measured by a large device-to-device copy (goal: within 1.2x of the floor).
+``--elementwise eager`` keeps RMSNorm, SiLU-and-mul and RoPE as eager ops on CUDA (the
+``eager_elementwise`` knob): the A/B of their one-launch Triton kernels.
 
     python benchmarks/bench_gpu.py [--shape 8b|tiny] [--device cuda|cpu] [--backends torch ...]
         [--batch 1 32] [--accept-len 4] [--steps 3 --topk 1 --draft-tokens 4]
-        [--new-tokens 128] [--prompt-len 128] [--repeats 3] [--overlap on|off] [--json OUT.json]
+        [--new-tokens 128] [--prompt-len 128] [--repeats 3] [--overlap on|off]
+        [--elementwise fused|eager] [--json OUT.json]
 
 Tokens/s include each run's prefill (one --prompt-len prompt per request); ms/token is
 decode only (first to last token of a request).  On a tree (--topk > 1) the forced walk
@@ -229,7 +232,11 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
             "topk": args.topk,
             "numDraftTokens": args.draft_tokens,
         }
-    knobs = BenchKnobs(dummy_weights=True, force_accept_len=args.accept_len if draft else None)
+    knobs = BenchKnobs(
+        dummy_weights=True,
+        force_accept_len=args.accept_len if draft else None,
+        eager_elementwise=args.elementwise == "eager",
+    )
     engine = Engine(spec_for_model(str(target), **fields), device=args.device, knobs=knobs)
     engine.start()
     return engine
@@ -426,6 +433,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--overlap", choices=("on", "off"), default="off", help="spec.scheduler.overlap"
     )
+    ap.add_argument(
+        "--elementwise",
+        choices=("fused", "eager"),
+        default="fused",
+        help="RMSNorm / SiLU-and-mul / RoPE: one Triton launch each on CUDA, or eager ops",
+    )
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds per timed run")
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
@@ -444,7 +457,7 @@ def header(args, report: dict) -> None:
         f"# backends {args.backends}; steps {args.steps} topk {args.topk} draft tokens "
         f"{args.draft_tokens}; forced accept len {args.accept_len}; prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, {args.repeats} repeats, CUDA graphs {args.graphs}, "
-        f"overlap {args.overlap}"
+        f"overlap {args.overlap}, elementwise {args.elementwise}"
     )
     print(
         f"# memory bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; a decode step "

@@ -19,6 +19,7 @@ from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.engine import Engine
 from specd.workers.engine.types import FinishReason
 from specd.workers.model.config import ModelLoadError
+from specd.workers.model.llama import RMSNorm
 from specd.workers.model.loader import load_model
 from specd.workers.speculative.forced_accept import forced_accept
 from specd.workers.speculative.tree import DraftTree
@@ -54,7 +55,9 @@ def bare_pair(pair, tmp_path_factory):
     )
 
 
-def knob_engine(target, knobs, draft=None, algorithm="EAGLE", steps=5, topk=1, tokens=6):
+def knob_engine(
+    target, knobs, draft=None, algorithm="EAGLE", steps=5, topk=1, tokens=6, device="cpu"
+):
     fields = dict(
         model={"dtype": "float32"},
         kvCache={"pageSize": 4, "maxTokens": 4096},
@@ -64,7 +67,7 @@ def knob_engine(target, knobs, draft=None, algorithm="EAGLE", steps=5, topk=1, t
     if draft is not None:
         fields["draft"] = {"path": draft, "algorithm": algorithm}
         fields["speculative"] = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
-    engine = Engine(spec_for_model(target, **fields), device="cpu", knobs=knobs)
+    engine = Engine(spec_for_model(target, **fields), device=device, knobs=knobs)
     engine.start()
     return engine
 
@@ -186,7 +189,9 @@ def test_forced_mean_accept_length(bare_pair, shape, mean_len):
 
 
 def test_knobs_are_off_by_default(pair):
-    assert BenchKnobs() == BenchKnobs(dummy_weights=False, force_accept_len=None)
+    assert BenchKnobs() == BenchKnobs(
+        dummy_weights=False, force_accept_len=None, eager_elementwise=False
+    )
     with pytest.raises(ValueError, match=">= 1"):
         BenchKnobs(force_accept_len=0.5)
     target, eagle, _ = pair
@@ -203,11 +208,30 @@ def test_knobs_are_off_by_default(pair):
     check_exact_run(engine, prompts, hf_greedy(target, prompts, 12), 12)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "eager"])
+def test_eager_elementwise_knob_keeps_eager_ops_on_cuda(pair, eager):
+    """The fused elementwise kernels' A/B: on CUDA the target's and the draft's norms
+    launch the Triton kernel unless the knob keeps them eager; both generate."""
+    target, eagle, _ = pair
+    engine = knob_engine(target, BenchKnobs(eager_elementwise=eager), eagle, device="cuda")
+    try:
+        models = (engine.model, engine.draft_head.model)
+        norms = [m for model in models for m in model.modules() if isinstance(m, RMSNorm)]
+        assert norms and all((norm.fused is None) == eager for norm in norms)
+        results = run_all(engine, random_prompts(2, 300, seed=3), max_tokens=8, ignore_eos=True)
+        assert all(r[2].finish_reason is FinishReason.LENGTH for r in results)
+        check_leak_free(engine)
+    finally:
+        engine.shutdown()
+
+
 # -- the GPU benchmark, on CPU ----------------------------------------------------------------
 def test_bench_gpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "benchmarks/bench_gpu.py", "--shape", "tiny", "--device", "cpu"]
     cmd += ["--batch", "1", "2", "--new-tokens", "8", "--backends", "torch", "--json", str(out)]
+    cmd += ["--elementwise", "eager"]  # the A/B's other side (a no-op on CPU)
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
@@ -220,6 +244,7 @@ def test_bench_gpu_smoke(tmp_path):
     assert [g["backend"] for g in report["goals"]] == ["torch"]
     assert report["floor_ms"] > 0 and report["weight_bytes"] > 0
     assert "floor" in done.stdout and "| torch | 2 |" in done.stdout
+    assert report["args"]["elementwise"] == "eager" and "elementwise eager" in done.stdout
 
 
 def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monkeypatch):

@@ -2,7 +2,7 @@
 
 ``benchmarks/bench_gpu.py`` passes them to ``Engine(..., knobs=...)`` to time a model
 shape without its checkpoint and a draft at a chosen acceptance; a served engine always
-runs with the defaults (both off).
+runs with the defaults (all off).
 """
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ class BenchKnobs:
     force_accept_len: every verify accepts drafts along the tree's first-child chain so
     that the mean tokens per verify, bonus included, is this (``speculative/forced_accept.py``);
     outputs are then no longer the target's.
+
+    eager_elementwise: on CUDA, RMSNorm, SiLU-and-mul and RoPE as eager torch ops instead
+    of their one-launch Triton kernels (``model/inference_layout.use_fused_elementwise``):
+    the other side of the fused kernels' A/B.
     """
 
     dummy_weights: bool = False
     force_accept_len: float | None = None
+    eager_elementwise: bool = False
 
     def __post_init__(self) -> None:
         if self.force_accept_len is not None and self.force_accept_len < 1:

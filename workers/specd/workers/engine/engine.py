@@ -223,6 +223,7 @@ class Engine:
             dtype=spec.model.dtype.value,
             device=str(self.device),
             dummy=self.knobs.dummy_weights,
+            fused_elementwise=not self.knobs.eager_elementwise,
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
@@ -245,6 +246,7 @@ class Engine:
                 self.model_config,
                 device=str(self.device),
                 dummy=self.knobs.dummy_weights,
+                fused_elementwise=not self.knobs.eager_elementwise,
             )
             self.draft_head = DraftHead(draft, draft_config)
         self._build_memory()

@@ -81,6 +81,7 @@ def load_draft(
     device: str | torch.device = "cpu",
     inference_layout: bool = True,
     dummy: bool = False,
+    fused_elementwise: bool = True,
 ) -> tuple[DraftModel, DraftConfig]:
     """Build the draft described by ``path``/config.json and load its weights.
 
@@ -89,6 +90,7 @@ def load_draft(
     on CPU, linear weights pre-packed (``inference_layout.py``).
     ``dummy`` (benchmarks): random weights from config.json alone (``loader.dummy_weights``)
     and, for EAGLE-3, the identity vocab map (draft id i -> target id i).
+    ``fused_elementwise``: as in ``load_model``.
     """
     folder = Path(path)
     algo = _algorithm(algorithm)
@@ -119,7 +121,7 @@ def load_draft(
     del weights  # the model holds the tensors now; fusing frees the unfused ones
     model.eval().requires_grad_(False)
     if inference_layout:
-        to_inference_layout(model)
+        to_inference_layout(model, fused_elementwise)
     logger.info(
         "loaded %s draft from %s: %d layer(s), draft vocab %d, aux layers %s",
         algo.value,

@@ -80,9 +80,10 @@ def use_fused_elementwise(model: nn.Module) -> int:
     return fused
 
 
-def to_inference_layout(model: nn.Module) -> None:
+def to_inference_layout(model: nn.Module, fused_elementwise: bool = True) -> None:
     """Fuse the projections; then on CPU lay out linear weights for speed, and on CUDA
-    (with Triton installed) fuse the elementwise steps.
+    (with Triton installed, unless ``fused_elementwise`` is False) fuse the elementwise
+    steps.
 
     On CUDA the unfused weights' memory goes back to the device: the caching allocator
     would keep it, and the KV pool is sized from the device's free memory.
@@ -90,6 +91,6 @@ def to_inference_layout(model: nn.Module) -> None:
     on_cuda = any(p.is_cuda for p in model.parameters())
     if fuse_projections(model) and on_cuda:
         torch.cuda.empty_cache()
-    if on_cuda and importlib.util.find_spec("triton") is not None:
+    if fused_elementwise and on_cuda and importlib.util.find_spec("triton") is not None:
         use_fused_elementwise(model)
     relayout_linears(model)

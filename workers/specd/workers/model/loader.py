@@ -131,6 +131,7 @@ def load_model(
     device: str | torch.device = "cpu",
     inference_layout: bool = True,
     dummy: bool = False,
+    fused_elementwise: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from ``path``/config.json and load its safetensors weights.
 
@@ -140,6 +141,7 @@ def load_model(
     no ``lm_head.weight``.  Unless ``inference_layout`` is False, q/k/v and gate/up are
     fused and, on CPU, linear weights pre-packed for oneDNN (``inference_layout.py``).
     ``dummy``: random weights, no weight file read (``dummy_weights``).
+    ``fused_elementwise=False`` keeps the eager elementwise ops on CUDA (benchmarks' A/B).
     """
     folder = Path(path)
     config = load_model_config(folder)
@@ -165,5 +167,5 @@ def load_model(
         model.tie_weights()
     model.eval().requires_grad_(False)
     if inference_layout:
-        to_inference_layout(model)
+        to_inference_layout(model, fused_elementwise)
     return model, config
