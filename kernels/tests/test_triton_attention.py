@@ -479,3 +479,38 @@ def test_every_cuda_backend_matches_torch_in_bf16(backend, case, graph):
         out = impl.forward(q_static, k_buf, v_buf, plan, 128**-0.5)
     cuda_graph.replay()
     torch.testing.assert_close(out[: q.shape[0]], ref, **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_one_backend_instance_runs_every_batch_kind_in_turn(backend):
+    """As in an engine, whose target and draft share one backend: a causal prefill, then a
+    tree verify with a custom mask, then decodes with GQA groups of 2 and 4, on the same
+    instance, each against the torch reference (bf16, heads of 128).  A flashinfer
+    prefill wrapper that fixed its kernel family at the causal plan, or a decode wrapper
+    whose tensor-core choice was made for the other group, fails here."""
+    from specd.kernels import available_backends, get_backend
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} is not installed")
+    impl = get_backend(backend, "cuda", torch.bfloat16)
+    num_slots = 6000
+    k_buf, v_buf, g = make_pool(num_slots, 8, 128, torch.bfloat16, 5)
+    batches = [  # (query lens, kv lens, custom mask, query heads)
+        ([300, 7, 1], [1300, 7, 40], False, 32),
+        ([8, 8], [1008, 208], True, 32),
+        ([1, 1, 1], [900, 33, 2], False, 16),
+        ([1, 1], [1500, 64], False, 32),
+    ]
+    for qo_lens, kv_lens, masked, heads in batches:
+        slots = scattered_slots(kv_lens, num_slots, g)
+        mask = None
+        if masked:
+            mask = torch.cat([m.flatten() for m in random_tree_masks(qo_lens, kv_lens, g)])
+            mask = mask.to(DEVICE)
+        q = torch.randn(sum(qo_lens), heads, 128, generator=g).to(DEVICE, torch.bfloat16)
+        meta = build_metadata_from_slots(slots, qo_lens, custom_mask=mask)
+        out = impl.forward(q, k_buf, v_buf, impl.plan(meta), 128**-0.5)
+        ref = run_torch(q, k_buf, v_buf, meta, 128**-0.5)
+        torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])

@@ -16,6 +16,16 @@ per-branch draft layouts included (seed 002), with no layout of its own.
   plans it again.
 * CUDA-graph batches (``graph_plan``) get wrappers of their own in flashinfer's graph
   mode, on fixed buffers; ``update_graph_plan`` plans them (host side) before a replay.
+* Every prefill wrapper runs flashinfer's FA2 kernels (``PREFILL_KERNELS``).  A wrapper
+  left on ``backend="auto"`` picks its kernel family at its first plan and keeps it; on
+  Hopper an unmasked first plan picks FA3, which runs no custom mask, so the first tree
+  verify after a causal prefill would fail (flashinfer 0.7.2: ``is_fa3_backend_supported``
+  is False with a custom mask, and the SM90 kernel returns ``cudaErrorNotSupported``).
+* A plan writes the wrapper's schedule into a pinned host buffer and queues its copy to
+  the device without waiting (flashinfer's ``scheduler.cuh``), so re-planning a wrapper
+  before that copy ran would rewrite what the earlier batch reads.  Each plan records an
+  event; the next plan of the same wrapper waits for it (mini-sglang #103 hit this race
+  under overlap scheduling).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from specd.kernels.metadata import AttentionMetadata, GraphBuffers, GraphShape
 from specd.kernels.registry import BackendCapabilities, register_backend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch
+PREFILL_KERNELS = "fa2"  # one family for causal and masked batches (see above)
 _plan_ids = itertools.count()
 
 
@@ -77,6 +88,7 @@ class FlashInferAttentionBackend:
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[str, object] = {}
         self._planned: dict[str, tuple[int, int, int, int]] = {}  # kind -> (plan, H, Hkv, D)
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> its last plan
 
     def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
         decode = meta.custom_mask is None and all(q == 1 for q in meta.qo_lens)
@@ -126,6 +138,7 @@ class FlashInferAttentionBackend:
             workspace,
             "NHD",
             use_cuda_graph=True,
+            backend=PREFILL_KERNELS,
             qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=device),
             paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=kv_indices,
@@ -181,9 +194,9 @@ class FlashInferAttentionBackend:
         return self._planned_wrapper(plan, q, k_buffer, scale).run(q, kv)
 
     def _planned_wrapper(self, plan: FlashInferPlan, q, k_buffer, scale: float):
-        kind = "decode" if plan.decode else "prefill"
+        kind = _wrapper_kind(plan.decode, q.shape[1] // k_buffer.shape[1])
         key = (plan.plan_id, q.shape[1], k_buffer.shape[1], q.shape[2])
-        wrapper = self._wrapper(kind, q.device, q.shape[1] // k_buffer.shape[1])
+        wrapper = self._wrapper(kind, q.device)
         if self._planned.get(kind) != key:
             self._plan_wrapper(wrapper, plan, q, k_buffer, scale)
             self._planned[kind] = key
@@ -194,24 +207,31 @@ class FlashInferAttentionBackend:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspace
 
-    def _wrapper(self, kind: str, device: torch.device, group: int):
+    def _wrapper(self, kind: str, device: torch.device):
         self._workspace_on(device)
         if kind not in self._wrappers:
-            if kind == "decode":  # tensor cores pay off once a kv head serves >= 4 q heads
-                self._wrappers[kind] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=group >= 4
-                )
-            else:
+            if kind == "prefill":
                 self._wrappers[kind] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, "NHD"
+                    self._workspace, "NHD", backend=PREFILL_KERNELS
+                )
+            else:  # the tensor-core choice is fixed at construction
+                self._wrappers[kind] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=kind == "decode_tensor_cores"
                 )
         return self._wrappers[kind]
 
-    @classmethod
-    def _plan_wrapper(cls, wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
-        """Plan ``wrapper`` for ``plan``'s batch: the decode or the prefill signature."""
-        planner = cls._plan_decode if plan.decode else cls._plan_prefill
+    def _plan_wrapper(self, wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
+        """Plan ``wrapper`` for ``plan``'s batch (the decode or the prefill signature), once
+        its previous plan's copy to the device has run."""
+        copied = self._plan_copied.get(id(wrapper))
+        if copied is not None:
+            copied.synchronize()
+        planner = self._plan_decode if plan.decode else self._plan_prefill
         planner(wrapper, plan, q, k_buffer, scale)
+        if self._workspace.is_cuda and not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
+            event.record()
+            self._plan_copied[id(wrapper)] = event
 
     @staticmethod
     def _plan_decode(wrapper, plan: FlashInferPlan, q, k_buffer, scale: float) -> None:
@@ -230,6 +250,14 @@ class FlashInferAttentionBackend:
             custom_mask=mask, causal=mask is None,
             **_dtypes_and_scale(q, k_buffer, scale),
         )  # fmt: skip
+
+
+def _wrapper_kind(decode: bool, group: int) -> str:
+    """The eager wrapper a batch runs on: decode, with tensor cores once a KV head serves
+    >= 4 query heads (a draft's group may differ from its target's), or prefill."""
+    if not decode:
+        return "prefill"
+    return "decode_tensor_cores" if group >= 4 else "decode"
 
 
 def _dtypes_and_scale(q: torch.Tensor, k_buffer: torch.Tensor, scale: float) -> dict:
