@@ -1,23 +1,23 @@
 """The one place Triton kernels are launched from.
 
-Compiled kernels launch as usual.  Under Triton's interpreter (``TRITON_INTERPRET=1``:
-the CPU tests) launches are serialized, because the interpreter keeps the running
-launch's grid in module-level state, and an engine with overlap scheduling launches
-from two threads (row writes on the scheduler thread while a step computes).  A launch
-made while an ``EmulatedGraph`` captures on this thread runs and is recorded for replay.
+Launches are serialized: an engine with overlap scheduling launches from two threads
+(row writes on the scheduler thread while a step computes), a kernel's first launch
+with new specializations compiles it, which Triton does not promise to be safe from two
+threads at once, and Triton's interpreter (``TRITON_INTERPRET=1``: the CPU tests) keeps
+the running launch's grid in module-level state.  An uncontended lock costs well under
+a microsecond next to a launch's tens.  A launch made while an ``EmulatedGraph``
+captures on this thread runs and is recorded for replay.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from functools import partial
 from typing import Any
 
 from specd.kernels.emulated_graph import active_recorder
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined
-_interpreter_lock = threading.Lock()
+_launch_lock = threading.Lock()
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -30,8 +30,5 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
 
 
 def _launch_now(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    if INTERPRETING:
-        with _interpreter_lock:
-            kernel[grid](*args, **kwargs)
-    else:
+    with _launch_lock:
         kernel[grid](*args, **kwargs)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from specd.kernels.ops import host_tensor
+
 
 class SeqLens:
     def __init__(self, lens: list[int], device: torch.device | str):
-        self.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        self.seq_lens = host_tensor(lens, device)  # no wait for the queued step
         self.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
         self.seq_lens_sum: int | None = sum(lens)
         self.num_syncs = 0  # device -> host copies made by refresh_seq_lens_cpu
