@@ -352,6 +352,8 @@ class Engine:
             return "spec.cudaGraph.enabled is false"
         if not available_backends()[self.backend_name].supports_graphs:
             return f"the {self.backend_name} backend has no graph plans"
+        if self.kv.ops.name != "triton":  # the torch ops read index lengths on the host
+            return f"graph bodies need the Triton kernel ops, not {self.kv.ops.name}"
         sizes = default_sizes(min(cfg.max_batch_size, self.spec.max_running_requests))
         if self.spec_decoder is None:
             self.graphs = self.runner.enable_decode_graphs(sizes, self.req_pool.width)

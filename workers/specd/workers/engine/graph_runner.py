@@ -78,15 +78,20 @@ class GraphRunner(Generic[B]):
         return "captured" if self.device.type == "cuda" else "emulated"
 
     @torch.inference_mode()
-    def capture(self, pool: Any = None) -> None:
-        """Capture every size, largest first, sharing one memory pool (``pool``: one shared
-        with other runners).  On CUDA the body runs eagerly first, so kernels compile and
+    def capture(self, pool: Any = None, stream: Any = None) -> None:
+        """Capture every size, largest first, sharing one memory pool (``pool``, and the
+        capture ``stream``: shared with other runners, whose freed intermediates the
+        allocator reuses only on the stream they were made on).  On CUDA the body runs
+        eagerly first, so kernels compile and
         lazily made scratch buffers exist outside the capture.  Bodies run under inference
         mode, as the engine's eager steps do; other threads may use the device meanwhile
         (thread-local capture errors, thread-local recording)."""
         start = time.perf_counter()
         if self.mode == "captured":
-            self._capture_cuda(pool if pool is not None else torch.cuda.graph_pool_handle())
+            self._capture_cuda(
+                pool if pool is not None else torch.cuda.graph_pool_handle(),
+                stream if stream is not None else torch.cuda.Stream(self.device),
+            )
         else:
             for size in reversed(self.sizes):
                 entry = self._captured[size]
@@ -96,8 +101,7 @@ class GraphRunner(Generic[B]):
         self.capture_seconds = time.perf_counter() - start
         log.info("%s %d graphs in %.1f s", self.mode, len(self.sizes), self.capture_seconds)
 
-    def _capture_cuda(self, pool: Any) -> None:
-        stream = torch.cuda.Stream(self.device)
+    def _capture_cuda(self, pool: Any, stream: Any) -> None:
         for size in reversed(self.sizes):
             entry = self._captured[size]
             stream.wait_stream(torch.cuda.current_stream(self.device))

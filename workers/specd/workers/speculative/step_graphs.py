@@ -111,14 +111,21 @@ class SpecGraphs:
         return GraphBuffers(needs, self.device)
 
     def runners(self) -> list[GraphRunner]:
+        """In the order a step replays them (``capture`` relies on it)."""
         return [*self.draft.values(), *self.verify.values(), *self.extend.values()]
 
     def capture(self) -> None:
-        """Every graph, in one memory pool: they replay one after another, and the outputs
-        a step reads after a later replay (the draft tree) are never freed, so not reused."""
-        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        """Every graph, in one memory pool on one capture stream, in the order a step
+        replays them (draft, verify, extend).  A later capture may place its outputs in an
+        earlier graph's freed intermediates, which that graph's next replay overwrites;
+        that is safe because a step reads each graph's outputs before the next step
+        replays the graphs captured before it (the draft tree, read after the verify, was
+        captured first), so ``runners()`` must keep the replay order."""
+        cuda = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        stream = torch.cuda.Stream(self.device) if cuda else None
         for runner in self.runners():
-            runner.capture(pool)
+            runner.capture(pool, stream)
 
     def status(self) -> dict:
         runners = self.runners()
