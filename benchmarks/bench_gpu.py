@@ -57,6 +57,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from specd.kernels import available_backends
+from specd.kernels.registry import missing_backends
 from specd.workers.config import spec_for_model
 from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.engine import Engine
@@ -223,7 +224,11 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
         maxRunningRequests=max_batch,
         attentionBackend=backend,
         cudaGraph={"enabled": args.graphs == "on", "maxBatchSize": max_batch},
-        scheduler={"overlap": args.overlap == "on"},
+        # every prompt in one prefill chunk: decode timing starts with no prefill pending
+        scheduler={
+            "overlap": args.overlap == "on",
+            "chunkedPrefillSize": max_batch * args.prompt_len,
+        },
     )
     if draft is not None:
         fields["draft"] = {"path": str(draft), "algorithm": "EAGLE3"}
@@ -365,7 +370,7 @@ def print_table(rows: list[dict]) -> None:
         p, s = r["plain"], r["spec"]
         print(
             f"| {r['backend']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-            f"| {r['speedup']:.2f}x | {r['accept_len']:.2f} | {p['ms_per_token']:.2f} "
+            f"| {r['speedup']:.2f}x | {accept_text(r)} | {p['ms_per_token']:.2f} "
             f"| {s['ms_per_token']:.2f} | {p['host_share']:.0%} / {s['host_share']:.0%} |"
         )
 
@@ -389,6 +394,11 @@ def goals(rows: list[dict], floor_ms: float, accept_len: float) -> list[dict]:
     ]
 
 
+def accept_text(row: dict) -> str:
+    """The measured accept length, or "-" when the spec engine verified nothing."""
+    return "-" if row["accept_len"] is None else f"{row['accept_len']:.2f}"
+
+
 def print_goals(goal_rows: list[dict]) -> None:
     for g in goal_rows:
         print(
@@ -397,7 +407,7 @@ def print_goals(goal_rows: list[dict]) -> None:
         )
         print(
             f"{g['backend']}: speculation {g['speedup']:.2f}x at batch 1, accept len "
-            f"{g['accept_len']:.2f} (goal >= {SPEEDUP_GOAL} at accept len 4)"
+            f"{accept_text(g)} (goal >= {SPEEDUP_GOAL} at accept len 4)"
         )
 
 
@@ -439,7 +449,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="fused",
         help="RMSNorm / SiLU-and-mul / RoPE: one Triton launch each on CUDA, or eager ops",
     )
-    ap.add_argument("--run-timeout", type=float, default=300, help="seconds per timed run")
+    ap.add_argument("--run-timeout", type=float, default=120, help="seconds per timed run")
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -459,6 +469,8 @@ def header(args, report: dict) -> None:
         f"{args.new_tokens} new tokens, {args.repeats} repeats, CUDA graphs {args.graphs}, "
         f"overlap {args.overlap}, elementwise {args.elementwise}"
     )
+    for name, why in missing_backends().items():
+        print(f"# {name} is not installed here: {why}")
     print(
         f"# memory bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s; a decode step "
         f"reads {report['weight_bytes'] / 1e9:.3f} GB of weights; floor "
@@ -477,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": asdict(SHAPES[args.shape]),
         "bandwidth_bytes_per_s": measure_bandwidth(args.device),
         "rows": [],
+        "goals": [],
         "errors": {},
     }
     with tempfile.TemporaryDirectory(prefix="specd-bench-") as tmp:

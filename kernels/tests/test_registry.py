@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from specd.kernels.registry import (
     CUDA_PREFERENCE,
     BackendCapabilities,
     available_backends,
+    missing_backends,
     resolve_backend_name,
 )
 from specd.kernels.torch_backend import TorchAttentionBackend
@@ -100,3 +103,13 @@ def test_head_sizes_a_backend_cannot_run_steer_auto_and_refuse_it_by_name(monkey
     ):
         resolve_backend_name("flashinfer", "cuda", bf16, head_dims=[16])
     assert resolve_backend_name("triton", "cuda", bf16, head_dims=[16]) == "triton"  # any size
+
+
+def test_missing_backends_say_why():
+    """A built-in backend that cannot load here is listed with the import error and the
+    fix, and is never also available (flashinfer: not installed on CPU machines)."""
+    missing = missing_backends()
+    assert not set(missing) & set(available_backends())
+    if importlib.util.find_spec("flashinfer") is None:
+        assert "No module named 'flashinfer'" in missing["flashinfer"]
+        assert "pip install 'specd[gpu]'" in missing["flashinfer"]

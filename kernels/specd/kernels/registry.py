@@ -105,6 +105,12 @@ def available_backends() -> dict[str, BackendCapabilities]:
     return dict(_CAPABILITIES)
 
 
+def missing_backends() -> dict[str, str]:
+    """Built-in backends that could not be registered here -> why (and the fix)."""
+    _load_builtin_backends()
+    return dict(_MISSING)
+
+
 def _pick_auto(
     device: str, dtype: torch.dtype | None, paged_tree: bool, head_dims: tuple[int, ...]
 ) -> str:
