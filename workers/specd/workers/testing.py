@@ -246,6 +246,8 @@ class Reference:
 
     @classmethod
     def run(cls, target, prompts, max_new, judge=None, **extra) -> Reference:
+        """All ``prompts`` at once on the torch backend, page size 1 (``extra``: more
+        spec fields, e.g. ``device`` and ``model``)."""
         engine = start_engine(target, kvCache={"pageSize": 1}, attentionBackend="torch", **extra)
         try:
             results = run_all(engine, prompts, max_tokens=max_new, ignore_eos=True)
