@@ -66,6 +66,11 @@ def random_tree_masks(qo_lens, kv_lens, g):
     return masks
 
 
+def flat_tree_mask(qo_lens, kv_lens, g):
+    """``random_tree_masks`` as a backend reads them: flattened, concatenated, on DEVICE."""
+    return torch.cat([m.flatten() for m in random_tree_masks(qo_lens, kv_lens, g)]).to(DEVICE)
+
+
 def dense_reference(q, k_buf, v_buf, slot_lists, masks, scale):
     """Explicit float32 softmax attention per request: q [N, H, D] -> [N, H, D]."""
     out, start = [], 0
@@ -376,9 +381,9 @@ class TestProductionShapesOnGpu:
     def test_tree_verify(self):
         qo_lens, kv_lens = [64, 8, 16], [1064, 4008, 116]
         q, k_buf, v_buf, slots, g = self._case(qo_lens, kv_lens)
-        masks = random_tree_masks(qo_lens, kv_lens, g)
-        flat = torch.cat([m.flatten() for m in masks]).to(DEVICE)
-        meta = build_metadata_from_slots(slots, qo_lens, custom_mask=flat)
+        meta = build_metadata_from_slots(
+            slots, qo_lens, custom_mask=flat_tree_mask(qo_lens, kv_lens, g)
+        )
         out, _ = run_triton(q, k_buf, v_buf, meta, self.DIM**-0.5)
         ref = run_torch(q, k_buf, v_buf, meta, self.DIM**-0.5)
         torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
@@ -413,6 +418,16 @@ class TestProductionShapesOnGpu:
         )
 
 
+def installed_cuda_backend(name: str):
+    """A new bf16 instance of CUDA backend ``name``; the test is skipped where it is not
+    installed (flashinfer is optional)."""
+    from specd.kernels import available_backends, get_backend
+
+    if name not in available_backends():
+        pytest.skip(f"{name} is not installed")
+    return get_backend(name, "cuda", torch.bfloat16)
+
+
 def production_cases(g, heads_dim=128):
     """(name, qo_lens, slot lists, custom masks or None) at production sizes: long decode
     at batch 32, prefill mixed with decode, tree verify, and holey per-branch draft reads."""
@@ -437,11 +452,9 @@ def test_every_cuda_backend_matches_torch_in_bf16(backend, case, graph):
     """Each CUDA backend against the torch reference, bf16, 32 q / 8 kv heads of 128, on
     scattered slots (holey per-branch reads included); ``graph``: through a graph plan
     (padded to 2 more requests than the batch, the pad slot last) replayed in a graph."""
-    from specd.kernels import available_backends, get_backend
     from specd.kernels.metadata import GraphBuffers, GraphShape, pad_metadata
 
-    if backend not in available_backends():
-        pytest.skip(f"{backend} is not installed")
+    impl = installed_cuda_backend(backend)
     g = torch.Generator().manual_seed(7)
     _, qo_lens, lens_or_lists, masked = next(c for c in production_cases(g) if c[0] == case)
     num_slots = 20000
@@ -452,14 +465,10 @@ def test_every_cuda_backend_matches_torch_in_bf16(backend, case, graph):
         else [s.to(DEVICE) for s in lens_or_lists]
     )
     kv_lens = [len(s) for s in slots]
-    mask = None
-    if masked:
-        mask = torch.cat([m.flatten() for m in random_tree_masks(qo_lens, kv_lens, g)])
-        mask = mask.to(DEVICE)
+    mask = flat_tree_mask(qo_lens, kv_lens, g) if masked else None
     q = torch.randn(sum(qo_lens), 32, 128, generator=g).to(DEVICE, torch.bfloat16)
     meta = build_metadata_from_slots(slots, qo_lens, custom_mask=mask)
     ref = run_torch(q, k_buf, v_buf, meta, 128**-0.5)
-    impl = get_backend(backend, "cuda", torch.bfloat16)
     if not graph:
         out = impl.forward(q, k_buf, v_buf, impl.plan(meta), 128**-0.5)
         torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
@@ -490,11 +499,7 @@ def test_one_backend_instance_runs_every_batch_kind_in_turn(backend):
     instance, each against the torch reference (bf16, heads of 128).  A flashinfer
     prefill wrapper that fixed its kernel family at the causal plan, or a decode wrapper
     whose tensor-core choice was made for the other group, fails here."""
-    from specd.kernels import available_backends, get_backend
-
-    if backend not in available_backends():
-        pytest.skip(f"{backend} is not installed")
-    impl = get_backend(backend, "cuda", torch.bfloat16)
+    impl = installed_cuda_backend(backend)
     num_slots = 6000
     k_buf, v_buf, g = make_pool(num_slots, 8, 128, torch.bfloat16, 5)
     batches = [  # (query lens, kv lens, custom mask, query heads)
@@ -505,10 +510,7 @@ def test_one_backend_instance_runs_every_batch_kind_in_turn(backend):
     ]
     for qo_lens, kv_lens, masked, heads in batches:
         slots = scattered_slots(kv_lens, num_slots, g)
-        mask = None
-        if masked:
-            mask = torch.cat([m.flatten() for m in random_tree_masks(qo_lens, kv_lens, g)])
-            mask = mask.to(DEVICE)
+        mask = flat_tree_mask(qo_lens, kv_lens, g) if masked else None
         q = torch.randn(sum(qo_lens), heads, 128, generator=g).to(DEVICE, torch.bfloat16)
         meta = build_metadata_from_slots(slots, qo_lens, custom_mask=mask)
         out = impl.forward(q, k_buf, v_buf, impl.plan(meta), 128**-0.5)

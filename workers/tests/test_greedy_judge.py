@@ -36,19 +36,12 @@ def bf16_reference(judge):
     return ref
 
 
-@torch.no_grad()
-def float32_logits(judge: GreedyJudge, prompt, tokens) -> torch.Tensor:
-    """[len(tokens), V]: the float32 logits each of ``tokens`` was chosen from."""
-    ids = torch.tensor([[*prompt, *tokens]])
-    return judge.model(ids).logits[0, len(prompt) - 1 : -1]
-
-
 def find_position(judge, ref: Reference, near: bool) -> tuple[int, int, int]:
     """(output, position, another token): the first place where ``ref``'s token has a
     float32 rival within half the tolerance (``near``), or none within four times it;
     the rival is the best token other than the one chosen."""
     for n, (prompt, tokens) in enumerate(zip(ref.prompts, ref.outputs, strict=True)):
-        logits = float32_logits(judge, prompt, tokens)
+        logits = judge.logits(prompt, tokens)
         chosen = torch.tensor(tokens)[:, None]
         others = logits.scatter(-1, chosen, float("-inf"))
         gaps = (logits.gather(-1, chosen)[:, 0] - others.max(-1).values).abs()
@@ -74,7 +67,7 @@ def test_a_parting_at_a_near_tie_passes_and_a_clear_one_fails(judge, bf16_refere
     assert fair != want
     assert judge.check_close([prompt], [fair], [want]) == 0
 
-    worst = int(float32_logits(judge, prompt, fair)[-1].argmin())
+    worst = int(judge.logits(prompt, fair)[-1].argmin())
     with pytest.raises(AssertionError, match=f"token {len(fair) - 1} .*below the float32"):
         judge.check_close([prompt], [[*fair[:-1], worst]], [want])
 

@@ -38,12 +38,17 @@ class GreedyJudge:
         self.tolerance = tolerance
 
     @torch.no_grad()
-    def shortfalls(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
-        """For each of ``tokens``: the float32 top logit minus that token's logit, after
-        ``prompt`` and the tokens before it (0 where it is the float32 greedy choice)."""
+    def logits(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """[len(tokens), V]: the float32 logits each of ``tokens`` was chosen from, after
+        ``prompt`` and the tokens before it."""
         ids = torch.tensor([[*prompt, *tokens]], device=self.device)
-        logits = self.model(ids).logits[0, len(prompt) - 1 : -1]
-        chosen = logits.gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        return self.model(ids).logits[0, len(prompt) - 1 : -1]
+
+    def shortfalls(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+        """For each of ``tokens``: the float32 top logit minus that token's logit (0 where
+        it is the float32 greedy choice)."""
+        logits = self.logits(prompt, tokens)
+        chosen = logits.gather(-1, torch.tensor(tokens, device=self.device)[:, None])[:, 0]
         return (logits.max(-1).values - chosen).tolist()
 
     def check_greedy(self, prompts: Sequence[Sequence[int]], outputs: list[list[int]]) -> None:

@@ -87,7 +87,7 @@ def load_draft(
 
     ``dtype`` ``auto`` means the target's dtype (the reference casts the draft to the base
     model's dtype).  Unless ``inference_layout`` is False the projections are fused and,
-    on CPU, linear weights pre-packed (``inference_layout.py``).
+    on CPU, linear weights stored in their fastest layout (``inference_layout.py``).
     ``dummy`` (benchmarks): random weights from config.json alone (``loader.dummy_weights``)
     and, for EAGLE-3, the identity vocab map (draft id i -> target id i).
     ``fused_elementwise``: as in ``load_model``.

@@ -139,7 +139,7 @@ def load_model(
     The LM head is tied to the embeddings when ``tie_word_embeddings`` is set (a stored
     ``lm_head.weight`` is then ignored, as transformers does) or when the checkpoint has
     no ``lm_head.weight``.  Unless ``inference_layout`` is False, q/k/v and gate/up are
-    fused and, on CPU, linear weights pre-packed for oneDNN (``inference_layout.py``).
+    fused and, on CPU, linear weights stored in their fastest layout (``inference_layout.py``).
     ``dummy``: random weights, no weight file read (``dummy_weights``).
     ``fused_elementwise=False`` keeps the eager elementwise ops on CUDA (benchmarks' A/B).
     """
