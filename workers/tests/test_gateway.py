@@ -30,7 +30,7 @@ from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.gateway import Gateway
 from specd.workers.pool import PoolController
 from specd.workers.testing import running_gateway
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+from specd.workers.tools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
 MODEL = "tiny"
@@ -249,6 +249,73 @@ def test_openai_client(gateway):
     assert err.value.body["param"] == "n"
 
 
+def test_completion_logprobs(http):
+    """``logprobs: n`` on /v1/completions: OpenAI's parallel lists, one entry per token;
+    each top_logprobs entry holds the top n and the chosen token; greedy picks the top
+    one; a token holding part of a character shows as ``bytes:\\x..``; the stream's
+    pieces add up to the whole response's."""
+    body = {"model": MODEL, "prompt": "Hello, how are", "logprobs": 3, **GREEDY}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    full, text = r.json()["choices"][0]["logprobs"], r.json()["choices"][0]["text"]
+    n = GREEDY["max_tokens"]
+    assert len(full["tokens"]) == len(full["token_logprobs"]) == len(full["top_logprobs"]) == n
+    assert full["text_offset"][0] == 0
+    for i, (token, value, top) in enumerate(
+        zip(full["tokens"], full["token_logprobs"], full["top_logprobs"], strict=True)
+    ):
+        assert value <= 0 and len(top) == 3 and top[token] == value
+        assert value == max(top.values())  # greedy: the most likely token
+        if not token.startswith("bytes:") and token not in SPECIAL_TOKENS:  # (not in the text)
+            assert text[full["text_offset"][i] :].startswith(token)
+
+    chunks = stream(http, "/v1/completions", body)[:-1]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks]
+    joined = {key: [v for p in pieces for v in p[key]] for key in full}
+    assert joined == full
+    assert (
+        http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0][
+            "logprobs"
+        ]
+        is None
+    )
+
+
+def test_chat_logprobs_through_the_openai_client(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == GREEDY["max_tokens"]
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert (entry.token, entry.logprob) == (
+            entry.top_logprobs[0].token,
+            entry.top_logprobs[0].logprob,
+        )
+    # the tokens' exact bytes add up to the text, characters split across tokens included
+    text = b"".join(bytes(e.bytes) for e in content).decode(errors="replace")
+    assert text == chat.choices[0].message.content
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, logprobs=True, top_logprobs=2, stream=True, **GREEDY
+        )
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content
+    ]
+    assert streamed == content
+    plain = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **GREEDY)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(content)
+    assert (
+        client.chat.completions.create(model=MODEL, messages=messages, **GREEDY).choices[0].logprobs
+        is None
+    )
+
+
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 A = {"model": MODEL, "prompt": "x"}
 M = {"model": MODEL}
@@ -267,7 +334,20 @@ BAD_INPUTS = {
     "temperature -1": (CMPL, {**A, "temperature": -1}, 400, "temperature"),
     "top_p 0": (CMPL, {**A, "top_p": 0}, 400, "top_p"),
     "five stops": (CMPL, {**A, "stop": list("abcde")}, 400, "stop"),
-    "logprobs": (CMPL, {**A, "logprobs": 2}, 400, "logprobs"),
+    "logprobs 21": (CMPL, {**A, "logprobs": 21}, 400, "logprobs"),
+    "logprobs negative": (CMPL, {**A, "logprobs": -1}, 400, "logprobs"),
+    "top_logprobs without logprobs": (
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    "top_logprobs 21": (
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
     "wrong model": (CMPL, {**A, "model": "gpt-4"}, 404, "model"),
     "prompt too long": (CMPL, {**A, "prompt": LONG}, 400, "prompt"),
     "prompt too long, stream": (CMPL, {**A, "prompt": LONG, "stream": True}, 400, "prompt"),

@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tokenizers import Tokenizer, decoders
+from tokenizers.models import BPE
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specd.kernels import build_attention_metadata, get_backend
@@ -22,7 +24,12 @@ from specd.workers.model.inference_layout import (
 )
 from specd.workers.model.loader import load_model
 from specd.workers.model.rope import RotaryEmbedding
-from specd.workers.model.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from specd.workers.model.tokenizer import (
+    apply_chat_template,
+    eos_token_ids,
+    load_tokenizer,
+    token_bytes_reader,
+)
 from specd.workers.tools import tiny_checkpoint
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 
@@ -398,6 +405,34 @@ def test_tokenizer_chat_template_and_fallback(gqa_dir):
     fallback = tok.decode(apply_chat_template(tok, messages))
     assert fallback == "<s><|user|>\nHello, how are you?</s>\n<|assistant|>\n"
     assert eos_token_ids(tok, config) == {tok.eos_token_id}
+
+
+def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-style vocabulary: ``▁`` for spaces and ``<0xNN>`` byte-fallback pieces."""
+    pieces = ["<unk>", "<s>", "▁hi", "▁there", "<0xE6>", "<0x97>", "<0xA5>", "!"]
+    model = BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(model)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+
+
+def test_token_bytes_are_exact_for_partial_characters(gqa_dir):
+    """Byte-level BPE and SentencePiece byte fallback: each token's own bytes, so the
+    three tokens of one CJK character add up to it (each decoded alone is U+FFFD)."""
+    byte_level = load_tokenizer(gqa_dir)
+    read = token_bytes_reader(byte_level)
+    ids = byte_level("héllo 日本!", add_special_tokens=False)["input_ids"]
+    assert b"".join(read(i) for i in ids).decode() == "héllo 日本!"
+    assert any(byte_level.decode([i]) == "\ufffd" for i in ids)  # why decode is not enough
+    assert read(byte_level.bos_token_id) == b"<s>"
+
+    sp = sentencepiece_style_tokenizer()
+    read = token_bytes_reader(sp)
+    by_piece = {p: read(sp.convert_tokens_to_ids(p)) for p in ("▁hi", "<0xE6>", "<0x97>", "!")}
+    assert by_piece == {"▁hi": b" hi", "<0xE6>": b"\xe6", "<0x97>": b"\x97", "!": b"!"}
+    assert read(sp.bos_token_id) == b"<s>"
 
 
 def test_tokenizer_errors_name_the_folder(tmp_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import math
@@ -58,7 +59,11 @@ from transformers import PreTrainedTokenizerBase
 from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
-from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
+from specd.workers.model.tokenizer import (
+    apply_chat_template,
+    load_tokenizer,
+    token_bytes_reader,
+)
 from specd.workers.openai_protocol import (
     ChatCompletionRequest,
     ChatFormat,
@@ -66,11 +71,13 @@ from specd.workers.openai_protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    RenderedLogprob,
     ResponseFormat,
     SessionDeleted,
     SessionObject,
     UsageInfo,
     error_body,
+    render_logprobs,
 )
 from specd.workers.pool import PoolController, Replica, ReplicaError, replica_of_actor
 from specd.workers.router import parse_session_token, session_token
@@ -261,6 +268,14 @@ class _Api:
         self.pool = pool
         self.tokenizer = tokenizer
         self._turns: dict[str, _Turn] = {}  # session id -> its latest turn here
+        self._token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
+        self._special_ids = frozenset(tokenizer.all_special_ids)  # left out of the text
+
+    def logprobs_of(self, delta: GenerateDelta) -> list[RenderedLogprob] | None:
+        """``delta``'s log-probs with token texts, or None if the request asked for none."""
+        return render_logprobs(
+            delta.token_ids, delta.logprobs, self._token_bytes, self._special_ids
+        )
 
     @property
     def model_name(self) -> str:
@@ -475,15 +490,20 @@ class _Api:
         rest: AsyncGenerator[GenerateDelta, None],
     ) -> Response:
         """The whole (non-streaming) response, or the error the request ended with."""
-        text, last = [], first
+        text, logprobs, last = [], [], first
         async for delta in _prepend(first, rest):
             text.append(delta.text)
+            logprobs += self.logprobs_of(delta) or []
             last = delta
         if (failure := _failure(last)) is not None:
             return error_response(failure.status, failure.message, failure.param)
         usage = UsageInfo.from_engine(last.usage) if last.usage else None
+        asked = last.logprobs is not None
+        finish = last.finish_reason.value
         return _json(
-            fmt.response(rid, self.model_name, "".join(text), last.finish_reason.value, usage)
+            fmt.response(
+                rid, self.model_name, "".join(text), finish, usage, logprobs if asked else None
+            )
         )
 
     async def stream_events(
@@ -503,8 +523,9 @@ class _Api:
                     yield _sse(error_body(failure.status, failure.message, failure.param))
                     break
                 finish = delta.finish_reason.value if delta.finished else None
-                if delta.text or finish:
-                    yield _sse(fmt.chunk(rid, model, delta.text, finish))
+                logprobs = self.logprobs_of(delta)
+                if delta.text or finish or logprobs:
+                    yield _sse(fmt.chunk(rid, model, delta.text, finish, logprobs))
                 if delta.finished and include_usage and delta.usage:
                     yield _sse(fmt.usage_chunk(rid, model, UsageInfo.from_engine(delta.usage)))
             yield "data: [DONE]\n\n"

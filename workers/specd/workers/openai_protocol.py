@@ -4,8 +4,8 @@ Requests validate everything the engine cannot see (types, ranges, ``n``, batche
 prompts, unsupported options) so a bad field becomes a 400 that names it.  Unknown
 fields are *ignored*, not rejected as OpenAI does: clients and SDKs send vendor fields
 (``extra_body``, tracing ids) that must not break a request.  Options we do not
-implement are accepted when they ask for nothing (``logprobs: null``, ``echo: false``,
-``presence_penalty: 0``) and refused otherwise, naming the field.
+implement are accepted when they ask for nothing (``echo: false``, ``presence_penalty:
+0``) and refused otherwise, naming the field.
 
 ``CompletionFormat`` and ``ChatFormat`` turn engine output into the two endpoints'
 response and chunk objects, so the gateway runs one code path for both.
@@ -13,14 +13,17 @@ response and chunk objects, so the gateway runs one code path for both.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
-from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, Protocol
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from specd.workers.engine.types import SamplingParams
+from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
+from specd.workers.engine.types import SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -116,6 +119,10 @@ class _GenerationRequest(_Lenient):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """How many top log-probs per token the engine returns (None: no log-probs)."""
+        return None
+
     def sampling_params(
         self, default_max_tokens: int, defaults: Mapping[str, float] | None = None
     ) -> SamplingParams:
@@ -134,6 +141,7 @@ class _GenerationRequest(_Lenient):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -144,15 +152,19 @@ class CompletionRequest(_GenerationRequest):
         **_GenerationRequest._NO_OP,
         "echo": (False,),
         "best_of": (1,),
-        "logprobs": (),
         "suffix": (),
     }
 
     prompt: str | list[int]
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="each token's log-prob and the top n"
+    )
     suffix: str | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -193,8 +205,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_GenerationRequest._NO_OP,
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "tools": ([],),
         "response_format": ({"type": "text"},),
     }
@@ -202,12 +212,22 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true as well")
+        return value
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -247,10 +267,96 @@ class ResponseBase(BaseModel):
     usage: UsageInfo | None = Field(None, exclude_if=_omit_none)
 
 
+# -- log-probs ----------------------------------------------------------------
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports impossible tokens the same way
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedLogprob:
+    """A generated token's bytes and log-prob (and its position's top tokens')."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...]
+    in_text: bool = True  # False for a special token, which the text leaves out
+
+
+def token_text(token: bytes) -> str:
+    """A token's text as OpenAI shows it: its UTF-8 text, or ``bytes:\\xe6\\x97`` for a
+    token that holds part of a character."""
+    try:
+        return token.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token)
+
+
+def render_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprob] | None,
+    token_bytes: Callable[[int], bytes],
+    special_ids: Container[int] = (),
+) -> list[RenderedLogprob] | None:
+    """The engine's log-probs of ``token_ids`` with each token's bytes (None: not asked);
+    ``special_ids``: tokens the text leaves out."""
+    if logprobs is None:
+        return None
+    return [
+        RenderedLogprob(
+            token_bytes(token),
+            max(lp.logprob, LOGPROB_FLOOR),
+            tuple((token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top),
+            token not in special_ids,
+        )
+        for token, lp in zip(token_ids, logprobs, strict=True)
+    ]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token;
+    ``text_offset`` is where each token's text starts in the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+    @classmethod
+    def of(cls, token: bytes, logprob: float, **extra: Any) -> Self:
+        return cls(token=token_text(token), logprob=logprob, bytes=list(token), **extra)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+def chat_logprobs(rendered: Sequence[RenderedLogprob] | None) -> ChatLogprobs | None:
+    if rendered is None:
+        return None
+    content = [
+        ChatTokenLogprob.of(
+            r.token, r.logprob, top_logprobs=[TopLogprob.of(t, v) for t, v in r.top]
+        )
+        for r in rendered
+    ]
+    return ChatLogprobs(content=content)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 
 
@@ -267,7 +373,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 
 
@@ -284,7 +390,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 
 
@@ -351,18 +457,24 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
 # -- endpoint formats ---------------------------------------------------------
 
 
+Logprobs = Sequence[RenderedLogprob] | None  # the tokens' of a response or chunk, if asked
+
+
 class ResponseFormat(Protocol):
-    """How one endpoint shapes a finished response and a stream chunk."""
+    """How one endpoint shapes a finished response and a stream chunk (one instance per
+    request: a format may keep state across a stream's chunks)."""
 
     id_prefix: str
 
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo
+        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
     ) -> ResponseBase: ...
 
     def opening_chunk(self, rid: str, model: str) -> ResponseBase | None: ...
 
-    def chunk(self, rid: str, model: str, text: str, finish: str | None) -> ResponseBase: ...
+    def chunk(
+        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+    ) -> ResponseBase: ...
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> ResponseBase: ...
 
@@ -370,31 +482,67 @@ class ResponseFormat(Protocol):
 class CompletionFormat:
     id_prefix = "cmpl-"
 
+    def __init__(self) -> None:
+        # characters of the completion so far, counted from its tokens' bytes (bytes that
+        # never make a character count as the U+FFFD the text shows for them)
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text_offset = 0
+
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo
+        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
     ) -> CompletionResponse:
-        choice = CompletionChoice(text=text, finish_reason=finish)
+        choice = CompletionChoice(
+            text=text, finish_reason=finish, logprobs=self._logprobs(logprobs)
+        )
         return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
 
     def opening_chunk(self, rid: str, model: str) -> None:
         return None
 
-    def chunk(self, rid: str, model: str, text: str, finish: str | None) -> CompletionResponse:
-        return CompletionResponse(
-            id=rid, model=model, choices=[CompletionChoice(text=text, finish_reason=finish)]
+    def chunk(
+        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+    ) -> CompletionResponse:
+        choice = CompletionChoice(
+            text=text, finish_reason=finish, logprobs=self._logprobs(logprobs)
         )
+        return CompletionResponse(id=rid, model=model, choices=[choice])
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> CompletionResponse:
         return CompletionResponse(id=rid, model=model, choices=[], usage=usage)
+
+    def _logprobs(self, rendered: Logprobs) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape; each ``top_logprobs`` entry holds the top n and the
+        chosen token (so up to n + 1 entries, as OpenAI documents)."""
+        if rendered is None:
+            return None
+        offsets = []
+        for r in rendered:
+            pending, _ = self._chars.getstate()  # a character's bytes not yet complete
+            offsets.append(self._text_offset + len(pending.decode(errors="replace")))
+            if r.in_text:
+                self._text_offset += len(self._chars.decode(r.token))
+        return CompletionLogprobs(
+            tokens=[token_text(r.token) for r in rendered],
+            token_logprobs=[r.logprob for r in rendered],
+            top_logprobs=[
+                {**{token_text(t): v for t, v in r.top}, token_text(r.token): r.logprob}
+                for r in rendered
+            ],
+            text_offset=offsets,
+        )
 
 
 class ChatFormat:
     id_prefix = "chatcmpl-"
 
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo
+        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
     ) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)
+        choice = ChatChoice(
+            message=ChatMessageOut(content=text),
+            finish_reason=finish,
+            logprobs=chat_logprobs(logprobs),
+        )
         return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
 
     def opening_chunk(self, rid: str, model: str) -> ChatCompletionChunk:
@@ -402,11 +550,15 @@ class ChatFormat:
         delta = ChatDelta(role="assistant", content="")
         return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=delta)])
 
-    def chunk(self, rid: str, model: str, text: str, finish: str | None) -> ChatCompletionChunk:
-        delta = ChatDelta(content=text or None)
-        return ChatCompletionChunk(
-            id=rid, model=model, choices=[ChatChunkChoice(delta=delta, finish_reason=finish)]
+    def chunk(
+        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            delta=ChatDelta(content=text or None),
+            finish_reason=finish,
+            logprobs=chat_logprobs(logprobs),
         )
+        return ChatCompletionChunk(id=rid, model=model, choices=[choice])
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage)

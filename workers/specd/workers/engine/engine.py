@@ -27,6 +27,7 @@ from specd.kernels.ops import ops_for_backend
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.graph_runner import GraphRunner, default_sizes
+from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
 from specd.workers.engine.types import (
@@ -383,6 +384,9 @@ class Engine:
             raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
+        top = req.params.logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
         if req.session_id is None:
             self.check_fits(n, req.params.max_tokens)
 
@@ -664,7 +668,7 @@ class Engine:
 
     def _process_verify(self, batch: ScheduledBatch, out) -> None:
         """Host side of a verify: resolve, stop rules, metrics, emit."""
-        updated = self.scheduler.process_verify(batch, out.new_tokens)
+        updated = self.scheduler.process_verify(batch, out.new_tokens, out.logprobs)
         live = {id(r) for r in updated}
         accepted = tuple(
             n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live

@@ -15,6 +15,7 @@ from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_m
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
+from specd.workers.engine.logprobs import SampledLogprobs, sampled_logprobs
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -46,16 +47,25 @@ def extend_layout(
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A launched batch's sampled ids on their way to the host (``done``: the copy's
-    CUDA event; None on CPU, where the ids are already there)."""
+    """A launched batch's sampled ids (and log-probs, if asked) on their way to the host
+    (``done``: the copies' CUDA event; None on CPU, where they are already there)."""
 
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None = None
+    logprobs: SampledLogprobs | None = None
 
     def wait(self) -> RunnerOutput:
         if self.done is not None:
             self.done.synchronize()
-        return RunnerOutput(tuple(self.host_tokens.tolist()))
+        return _runner_output(self.host_tokens, self.logprobs)
+
+
+def _runner_output(
+    tokens: torch.Tensor, logprobs: SampledLogprobs | None, hidden: Any = None, aux: Any = None
+) -> RunnerOutput:
+    """The host form of a batch's sampled ids and log-probs."""
+    per_request = logprobs.per_request(tokens.numel()) if logprobs is not None else ()
+    return RunnerOutput(tuple(tokens.tolist()), hidden=hidden, aux=aux, logprobs=per_request)
 
 
 @dataclass(slots=True)
@@ -146,10 +156,8 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Extend/decode forward + sampling.  With ``capture_layers`` (a speculative
         engine) the output also carries every row's hidden state and those layers'."""
-        tokens, hidden, aux = self._forward_and_sample(batch, capture_layers)
-        if capture_layers is None:
-            return RunnerOutput(tuple(tokens.tolist()))
-        return RunnerOutput(tuple(tokens.tolist()), hidden=hidden, aux=aux)
+        tokens, logprobs, hidden, aux = self._forward_and_sample(batch, capture_layers)
+        return _runner_output(tokens, logprobs, hidden, aux)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
@@ -160,28 +168,30 @@ class ModelRunner:
         if self._inputs_consumed is not None:  # a backend may reuse host staging buffers
             self._inputs_consumed.synchronize()
             self._inputs_consumed = None
-        tokens, _, _ = self._forward_and_sample(batch, None, launching=True)
+        tokens, logprobs, _, _ = self._forward_and_sample(batch, None, launching=True)
         sampled_rows = [r.kv.row for r in batch.sampled_reqs]
         if sampled_rows:
             self.last_sampled[host_tensor(sampled_rows, self.device)] = tokens
         if self.device.type != "cuda":
-            return LaunchedStep(tokens)
+            return LaunchedStep(tokens, logprobs=logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        logprobs = logprobs.pinned() if logprobs is not None else None
         done = torch.cuda.Event()
         done.record()
         if self._inputs_consumed is None:  # eager: the whole step read its inputs by now
             self._inputs_consumed = done
-        return LaunchedStep(host, done)
+        return LaunchedStep(host, done, logprobs)
 
     def _forward_and_sample(
         self,
         batch: ScheduledBatch,
         capture_layers: tuple[int, ...] | None,
         launching: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        """-> (sampled ids [num_sampled] on the device, hidden, aux): the latter two only
-        with ``capture_layers``.  ``launching``: called by ``launch`` (see there)."""
+    ) -> tuple[torch.Tensor, SampledLogprobs | None, torch.Tensor | None, Any]:
+        """-> (sampled ids [num_sampled] on the device, their log-probs if any request
+        asked, hidden, aux): the latter two only with ``capture_layers``.
+        ``launching``: called by ``launch`` (see there)."""
         rows = [r.kv.row for r in batch.reqs]
         positions, out_cache_loc, meta = extend_layout(
             self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens)
@@ -192,7 +202,7 @@ class ModelRunner:
             logits = self._replay_decode(
                 graph_size, input_ids, positions, out_cache_loc, meta, launching
             )
-            return sample_next_tokens(logits, batch.sampled_reqs), None, None
+            return (*self._sample(logits, batch), None, None)
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -202,13 +212,23 @@ class ModelRunner:
         ends = exclusive_cumsum(batch.extend_lens)[1:]
         last = [end - 1 for end, sampled in zip(ends, batch.sample, strict=True) if sampled]
         tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        logprobs = None
         if last:
             rows_out = (  # every row sampled (decode): no row gather
                 hidden if len(last) == len(hidden) else hidden[host_tensor(last, self.device)]
             )
             logits = self.model.compute_logits(rows_out)  # [num_sampled, vocab] float32
-            tokens = sample_next_tokens(logits, batch.sampled_reqs)
-        return tokens, hidden, aux
+            tokens, logprobs = self._sample(logits, batch)
+        return tokens, logprobs, hidden, aux
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """Next ids of the batch's sampled requests, and their log-probs if any asked."""
+        reqs = batch.sampled_reqs
+        tokens = sample_next_tokens(logits, reqs)
+        return tokens, sampled_logprobs(logits, tokens, reqs)
 
     def _input_ids(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
         """The batch's token ids on the device: from the requests' known tokens, or (a

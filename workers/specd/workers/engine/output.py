@@ -88,9 +88,16 @@ class OutputProcessor:
         new_tokens = req.output_ids[stream.sent_tokens :]
         if new_tokens:
             self._observe_token_times(req, now, len(new_tokens))
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = tuple(req.output_logprobs[stream.sent_tokens :])
         stream.sent_tokens = len(req.output_ids)
         delta = GenerateDelta(
-            rid=req.rid, token_ids=tuple(new_tokens), text=text, finished=req.finished
+            rid=req.rid,
+            token_ids=tuple(new_tokens),
+            logprobs=logprobs,
+            text=text,
+            finished=req.finished,
         )
         if req.finished:
             delta = self._finish_delta(req, delta, now)
@@ -122,7 +129,7 @@ class OutputProcessor:
         for i in range(1, new + 1):
             text += stream.detok.feed(req.fill_ids[: base + i], final=req.finished and i == new)
             if stream.detok.stopped:
-                del req.output_ids[stream.sent_tokens + i :]
+                req.truncate_output(stream.sent_tokens + i)
                 break
         return text
 

@@ -23,10 +23,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n: each token's log-prob and the top n
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target model, and the most likely
+    (token id, log-probability) pairs at its position, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +62,7 @@ class GenerateDelta:
 
     rid: str
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, if the request asked
     text: str = ""
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specd.workers.model.config import ModelConfig, ModelLoadError
 
@@ -55,3 +58,39 @@ def eos_token_ids(tok: PreTrainedTokenizerBase, model_config: ModelConfig) -> se
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
     return ids
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for a raw byte
+
+
+def _decoder_types(tok: PreTrainedTokenizerBase) -> set[str]:
+    """The kinds of decoder steps of a fast tokenizer (``ByteLevel``, ``ByteFallback``...)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    steps = (decoder or {}).get("decoders", [decoder] if decoder else [])
+    return {step["type"] for step in steps}
+
+
+def token_bytes_reader(tok: PreTrainedTokenizerBase) -> Callable[[int], bytes]:
+    """token id -> the exact bytes it adds to the text, where the vocabulary says so.
+
+    Byte-level BPE (GPT-2, Llama 3) and SentencePiece byte fallback (``<0xE2>``) tokens
+    may hold part of a UTF-8 character, which decoding one token alone turns into
+    U+FFFD, so distinct tokens would look alike.  Special tokens and other vocabularies
+    give their decoded text."""
+    kinds = _decoder_types(tok)
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    special = set(tok.all_special_ids)
+
+    def read(token_id: int) -> bytes:
+        piece = tok.convert_ids_to_tokens(token_id)
+        if token_id not in special and isinstance(piece, str):
+            if "ByteLevel" in kinds and all(c in byte_of for c in piece):
+                return bytes(byte_of[c] for c in piece)
+            if "ByteFallback" in kinds and (found := _BYTE_FALLBACK.fullmatch(piece)):
+                return bytes([int(found.group(1), 16)])
+            if "ByteFallback" in kinds or "Metaspace" in kinds:
+                return piece.replace("\u2581", " ").encode()
+        return tok.decode([token_id]).encode()
+
+    return read

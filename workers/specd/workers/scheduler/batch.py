@@ -46,3 +46,5 @@ class RunnerOutput:
     next_token_ids: tuple[int, ...]
     hidden: Any = None  # [num_tokens, H] final-normed target hidden (speculative engines)
     aux: Any = None  # {layer: [num_tokens, H]} captured residual streams (EAGLE-3)
+    # per sampled request, its token's TokenLogprob (None if it did not ask); () if none did
+    logprobs: tuple = ()

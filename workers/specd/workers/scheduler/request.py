@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from specd.workers.engine.types import FinishReason, SamplingParams
+from specd.workers.engine.types import FinishReason, SamplingParams, TokenLogprob
 from specd.workers.mem_cache.kv_manager import RequestKV
 
 
@@ -23,6 +23,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs
     kv: RequestKV = field(default_factory=RequestKV)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -45,6 +46,17 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs: prompt, then output so far."""
         return self.prompt_ids + self.output_ids
+
+    def append_output(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Append a generated token, and its log-prob when the request asked for them."""
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def truncate_output(self, length: int) -> None:
+        """Drop generated tokens (and their log-probs) past ``length``."""
+        del self.output_ids[length:]
+        del self.output_logprobs[length:]
 
     @property
     def num_fill(self) -> int:

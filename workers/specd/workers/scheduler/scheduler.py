@@ -311,24 +311,31 @@ class Scheduler:
             req.kv.committed += extend
             req.kv.assert_lengths(self.kv.row_width)
         updated = []
-        for req, token in zip(batch.sampled_reqs, result.next_token_ids, strict=True):
+        reqs = batch.sampled_reqs
+        logprobs = result.logprobs or (None,) * len(reqs)
+        for req, token, logprob in zip(reqs, result.next_token_ids, logprobs, strict=True):
             if id(req) in dropped:
                 continue
             updated.append(req)
-            req.output_ids.append(token)
+            req.append_output(token, logprob)
             reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
             if reason is not None:
                 self.finish(req, reason)
         return updated
 
     def process_verify(
-        self, batch: ScheduledBatch, new_tokens: tuple[tuple[int, ...], ...]
+        self,
+        batch: ScheduledBatch,
+        new_tokens: tuple[tuple[int, ...], ...],
+        new_logprobs: tuple = (),
     ) -> list[Req]:
         """Resolve a verify step: commit the root and accepted drafts, append the new
         tokens one by one under the stop rules (tokens past a stop are dropped; their KV
-        stays over-allocated until the request is freed)."""
+        stays over-allocated until the request is freed).  ``new_logprobs``: per request,
+        its tokens' log-probs or None (``()``: nobody asked)."""
         updated = []
-        for req, tokens in zip(batch.reqs, new_tokens, strict=True):
+        new_logprobs = new_logprobs or (None,) * len(batch.reqs)
+        for req, tokens, logprobs in zip(batch.reqs, new_tokens, new_logprobs, strict=True):
             if req.finished:  # finished while this step was in flight: drop its result
                 return_preclaimed_slot(req.kv)
             if not self._step_landed(req):
@@ -337,8 +344,8 @@ class Scheduler:
             resolve_committed(req.kv, len(tokens))
             req.spec_verify_steps += 1
             req.spec_accepted_tokens += len(tokens) - 1
-            for token in tokens:
-                req.output_ids.append(token)
+            for i, token in enumerate(tokens):
+                req.append_output(token, logprobs[i] if logprobs is not None else None)
                 reason = check_stop(req, self.config.eos_token_ids, self.config.context_length)
                 if reason is not None:  # tokens past the stop are dropped, so is their KV
                     pending_preclaims = req.inflight_steps

@@ -35,6 +35,7 @@ import torch
 
 from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.engine.logprobs import path_logprobs
 from specd.workers.engine.model_runner import extend_layout
 from specd.workers.engine.sampling import filtered_probs, greedy_ids, request_generator
 from specd.workers.mem_cache.kv_pool import KVPool
@@ -93,6 +94,8 @@ class SpecStepOut:
     accept_lens: tuple[int, ...]  # accepted drafts, bonus excluded
     # plain rung only: 1 where the draft's top-1 guess equalled the target's token
     probes: tuple[int, ...] = ()
+    # per request, its new tokens' TokenLogprobs (None if it did not ask)
+    logprobs: tuple = ()
 
 
 class SpecDecoder:
@@ -214,6 +217,7 @@ class SpecDecoder:
         probes = ()
         if guesses is not None:  # the bonus is the target's token after the root
             probes = tuple((guesses == result.bonus_tokens).long().tolist())
+        logprobs = path_logprobs(reqs, logits, result.accept_index, tokens)
         accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
         outputs = self._extend_accepted(rung, accepted)
         for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
@@ -222,6 +226,7 @@ class SpecDecoder:
             new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
             probes=probes,
+            logprobs=logprobs,
         )
 
     def _extend_accepted(
