@@ -281,6 +281,39 @@ def test_completion_logprobs(http):
     )
 
 
+def test_echo_scores_the_prompt(http):
+    """``echo`` with ``logprobs`` and ``max_tokens: 1``, as lm-evaluation-harness scores
+    a text: the prompt leads the text and the token lists, its first token without a
+    log-prob; the generated token's log-prob equals the one without echo; the stream
+    adds up to the same; ``echo`` alone just leads with the prompt."""
+    prompt = "Hello, how are"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, **GREEDY}
+    body["max_tokens"] = 1
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt) and len(choice["text"]) > len(prompt)
+    assert len(lp["tokens"]) == usage["prompt_tokens"] + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+    plain = http.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+    assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][-1:]
+    assert choice["text"] == prompt + plain["text"]
+
+    chunks = stream(http, "/v1/completions", body)[:-1]
+    assert "".join(chunk_text(c) for c in chunks) == choice["text"]
+    joined = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert joined == lp["token_logprobs"]
+
+    by_ids = {**body, "prompt": [5, 6, 7], "logprobs": None}
+    echoed = http.post("/v1/completions", json=by_ids).json()["choices"][0]
+    alone = http.post("/v1/completions", json={**by_ids, "echo": False}).json()["choices"][0]
+    assert echoed["logprobs"] is None and echoed["text"].endswith(alone["text"])
+    assert len(echoed["text"]) > len(alone["text"])  # the decoded prompt leads
+
+
 def test_chat_logprobs_through_the_openai_client(gateway):
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     messages = [{"role": "user", "content": "Hello"}]
@@ -336,6 +369,12 @@ BAD_INPUTS = {
     "five stops": (CMPL, {**A, "stop": list("abcde")}, 400, "stop"),
     "logprobs 21": (CMPL, {**A, "logprobs": 21}, 400, "logprobs"),
     "logprobs negative": (CMPL, {**A, "logprobs": -1}, 400, "logprobs"),
+    "echo with logprobs in a session": (
+        CMPL,
+        {**A, "echo": True, "logprobs": 1, "session_id": "x.y"},
+        400,
+        "logprobs",
+    ),
     "top_logprobs without logprobs": (
         CHAT,
         {**M, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from specd.kernels import available_backends
-from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS, logprob_tensors
+from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS, logprob_tensors, prompt_targets
 from specd.workers.engine.types import GenerateRequest, InvalidRequest, SamplingParams
 from specd.workers.greedy_judge import GreedyJudge
 from specd.workers.model.tokenizer import load_tokenizer
+from specd.workers.scheduler.request import Req
 from specd.workers.testing import (
     DEMO_MODELS,
     demo_prompts,
@@ -39,14 +40,20 @@ def peer():
 
 
 async def _collect(engine, rid, prompt, params):
-    tokens, logprobs, last = [], [], None
+    tokens, logprobs, last, prompt_logprobs = [], [], None, []
     async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params)):
+        if delta.prompt_logprobs is not None:
+            assert not prompt_logprobs, "the prompt's log-probs come once"
+            prompt_logprobs = delta.prompt_logprobs
         tokens += delta.token_ids
         if delta.logprobs is not None:
             assert len(delta.logprobs) == len(delta.token_ids), "one log-prob per token"
             logprobs += delta.logprobs
         last = delta
-    return tokens, (logprobs if params.logprobs is not None else None), last
+    if params.prompt_logprobs is None:
+        assert prompt_logprobs == []
+        return tokens, (logprobs if params.logprobs is not None else None), last
+    return tokens, logprobs, last, prompt_logprobs
 
 
 def run_with_logprobs(engine, prompts, params_list):
@@ -171,6 +178,39 @@ def test_graph_batches_carry_logprobs(pair):
         check_against_peer(tiny_peer, prompt, tokens, logprobs, width)
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_prompt_logprobs_score_every_chunk_once(peer, speculative):
+    """``prompt_logprobs`` (the gateway's ``echo``): prompt token i's log-prob is the
+    peer's after tokens 0..i-1, the first token has none; prompts of 40 and 9 tokens
+    prefill in chunks of 16 (rows ending a chunk predict the next chunk's first token)."""
+    spec = {"scheduler": {"chunkedPrefillSize": 16}}
+    if speculative:
+        spec["draft"] = {"path": DRAFT}
+        spec["speculative"] = {"numSteps": 3, "topk": 1, "numDraftTokens": 4}
+    engine = start_engine(TARGET, debug={"strictMemCheck": 1}, **spec)
+    prompts = [demo_prompts(1, 40)[0], demo_prompts(2, 9)[1]]
+    scoring = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=0)
+    results = run_with_logprobs(
+        engine, prompts + prompts[:1], [scoring, scoring, mixed_params()[2]]
+    )
+    for (tokens, logprobs, _, prompt_logprobs), prompt in zip(results, prompts, strict=False):
+        assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+        check_against_peer(peer, prompt[:1], prompt[1:], list(prompt_logprobs[1:]), 2)
+        check_against_peer(peer, prompt, tokens, logprobs, 0)
+    assert len(results[2]) == 3  # asked for nothing: no prompt log-probs
+
+
+def test_prompt_targets_skip_rows_scored_before_a_retraction():
+    """A request re-prefilled after a retraction (prompt + output) scores no prompt
+    token twice and never scores its output as prompt."""
+    req = Req("r", list(range(10, 20)), SamplingParams(prompt_logprobs=0))
+    other = Req("o", [1, 2, 3], SamplingParams())
+    assert prompt_targets([other, req], [0, 0], [3, 6]) == [(1, 3 + p, 11 + p) for p in range(6)]
+    req.prompt_logprobs = [None] * 6  # rows 0..5 scored, then retracted
+    req.output_ids = [7, 8]
+    assert prompt_targets([req], [0], [12]) == [(0, p, 11 + p) for p in range(6, 9)]
+
+
 def test_stop_string_cuts_tokens_and_logprobs_together():
     """A stop string completed inside a verify's accepted tokens drops the tokens after
     it, and their log-probs with them."""
@@ -197,8 +237,13 @@ def test_logprobs_width_is_checked():
     engine = start_engine(TARGET)
     try:
         for bad in (-1, MAX_TOP_LOGPROBS + 1):
-            with pytest.raises(InvalidRequest, match=r"logprobs: must be in \[0, 20\]"):
+            with pytest.raises(InvalidRequest, match=r"^logprobs: must be in \[0, 20\]"):
                 engine.validate(GenerateRequest("x", (1, 2), SamplingParams(logprobs=bad)))
+            with pytest.raises(InvalidRequest, match=r"^prompt_logprobs: must be in \[0, 20\]"):
+                engine.validate(GenerateRequest("x", (1, 2), SamplingParams(prompt_logprobs=bad)))
+        turn = GenerateRequest("x", (1, 2), SamplingParams(prompt_logprobs=1), session_id="s")
+        with pytest.raises(InvalidRequest, match=r"^prompt_logprobs: a session turn"):
+            engine.validate(turn)
     finally:
         engine.shutdown()
 

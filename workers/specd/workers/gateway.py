@@ -392,6 +392,8 @@ class _Api:
             first = await _unless_disconnected(request, anext(deltas))
             if (failure := _failure(first)) is not None:
                 raise failure
+            if getattr(body, "echo", False):
+                first = self._echoed(first, body, prompt_ids)
             if body.stream:
                 events = self.stream_events(fmt, rid, _prepend(first, deltas), body.include_usage)
                 deltas = None  # handed to the response, which closes it
@@ -402,6 +404,24 @@ class _Api:
         finally:
             if deltas is not None:
                 await deltas.aclose()
+
+    def _echoed(
+        self, delta: GenerateDelta, body: CompletionRequest, prompt_ids: list[int]
+    ) -> GenerateDelta:
+        """``echo``: the prompt leads the text (as sent, or its ids decoded) and, with
+        ``logprobs``, the token lists (the engine scored the prompt)."""
+        text = body.prompt
+        if not isinstance(text, str):
+            text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = (*delta.prompt_logprobs, *delta.logprobs)
+        return replace(
+            delta,
+            text=text + delta.text,
+            token_ids=(*prompt_ids, *delta.token_ids),
+            logprobs=logprobs,
+        )
 
     async def deltas(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         """``req``'s deltas from the least-loaded replica; errors arrive as error deltas.

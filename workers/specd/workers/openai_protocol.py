@@ -4,7 +4,7 @@ Requests validate everything the engine cannot see (types, ranges, ``n``, batche
 prompts, unsupported options) so a bad field becomes a 400 that names it.  Unknown
 fields are *ignored*, not rejected as OpenAI does: clients and SDKs send vendor fields
 (``extra_body``, tracing ids) that must not break a request.  Options we do not
-implement are accepted when they ask for nothing (``echo: false``, ``presence_penalty:
+implement are accepted when they ask for nothing (``best_of: 1``, ``presence_penalty:
 0``) and refused otherwise, naming the field.
 
 ``CompletionFormat`` and ``ChatFormat`` turn engine output into the two endpoints'
@@ -123,6 +123,10 @@ class _GenerationRequest(_Lenient):
         """How many top log-probs per token the engine returns (None: no log-probs)."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions' ``echo``)."""
+        return None
+
     def sampling_params(
         self, default_max_tokens: int, defaults: Mapping[str, float] | None = None
     ) -> SamplingParams:
@@ -142,6 +146,7 @@ class _GenerationRequest(_Lenient):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
 
@@ -150,7 +155,6 @@ class CompletionRequest(_GenerationRequest):
 
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_GenerationRequest._NO_OP,
-        "echo": (False,),
         "best_of": (1,),
         "suffix": (),
     }
@@ -163,8 +167,21 @@ class CompletionRequest(_GenerationRequest):
     )
     suffix: str | None = None
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_scores_in_sessions(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo") and info.data.get("session_id"):
+            raise ValueError(
+                "with echo, a session turn cannot score its prompt (the session's history "
+                "is cached, not recomputed); send it without session_id, or without echo"
+            )
+        return value
+
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -277,7 +294,7 @@ class RenderedLogprob:
     """A generated token's bytes and log-prob (and its position's top tokens')."""
 
     token: bytes
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token
     top: tuple[tuple[bytes, float], ...]
     in_text: bool = True  # False for a special token, which the text leaves out
 
@@ -293,7 +310,7 @@ def token_text(token: bytes) -> str:
 
 def render_logprobs(
     token_ids: Sequence[int],
-    logprobs: Sequence[TokenLogprob] | None,
+    logprobs: Sequence[TokenLogprob | None] | None,
     token_bytes: Callable[[int], bytes],
     special_ids: Container[int] = (),
 ) -> list[RenderedLogprob] | None:
@@ -304,8 +321,8 @@ def render_logprobs(
     return [
         RenderedLogprob(
             token_bytes(token),
-            max(lp.logprob, LOGPROB_FLOOR),
-            tuple((token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top),
+            None if lp is None else max(lp.logprob, LOGPROB_FLOOR),
+            () if lp is None else tuple((token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in lp.top),
             token not in special_ids,
         )
         for token, lp in zip(token_ids, logprobs, strict=True)
@@ -317,8 +334,8 @@ class CompletionLogprobs(BaseModel):
     ``text_offset`` is where each token's text starts in the completion."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -525,7 +542,9 @@ class CompletionFormat:
             tokens=[token_text(r.token) for r in rendered],
             token_logprobs=[r.logprob for r in rendered],
             top_logprobs=[
-                {**{token_text(t): v for t, v in r.top}, token_text(r.token): r.logprob}
+                None
+                if r.logprob is None
+                else {**{token_text(t): v for t, v in r.top}, token_text(r.token): r.logprob}
                 for r in rendered
             ],
             text_offset=offsets,

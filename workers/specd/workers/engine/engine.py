@@ -384,9 +384,15 @@ class Engine:
             raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
-        top = req.params.logprobs
-        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"logprobs: must be in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            top = getattr(req.params, name)
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}]")
+        if req.params.prompt_logprobs is not None and req.session_id is not None:
+            raise InvalidRequest(
+                "prompt_logprobs: a session turn's history is cached, not scored; "
+                "score the prompt without session_id"
+            )
         if req.session_id is None:
             self.check_fits(n, req.params.max_tokens)
 

@@ -9,6 +9,7 @@ distribution as a plain decode step would.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +129,40 @@ def path_logprobs(
     for b, values in zip(rows, got.token_logprobs(widths), strict=True):
         out[b] = tuple(values[: len(tokens[b])])
     return tuple(out)
+
+
+def prompt_targets(
+    reqs: Sequence[Req], starts: Sequence[int], lens: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """The prompt tokens an extend batch scores for the first time, for requests that
+    asked for prompt log-probs: (batch index, the batch token row whose logits predict
+    it, the token).  Row ``p`` predicts prompt token ``p + 1``; the prompt's first token
+    has no log-prob, and tokens scored before a retraction are not scored again."""
+    targets, row0 = [], 0
+    for i, (req, start, n) in enumerate(zip(reqs, starts, lens, strict=True)):
+        if req.params.prompt_logprobs is not None:
+            first = len(req.prompt_logprobs)  # rows before it were scored already
+            for p in range(max(start, first), min(start + n, len(req.prompt_ids) - 1)):
+                targets.append((i, row0 + p - start, req.prompt_ids[p + 1]))
+        row0 += n
+    return targets
+
+
+def score_prompt_rows(
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    targets: list[tuple[int, int, int]],
+    reqs: Sequence[Req],
+) -> tuple[list[TokenLogprob], ...]:
+    """Per batch request, the log-probs of the prompt tokens ``targets`` names (on the
+    host: scoring requests wait for their step)."""
+    out: tuple[list[TokenLogprob], ...] = tuple([] for _ in reqs)
+    if not targets:
+        return out
+    batch_index, rows, tokens = zip(*targets, strict=True)
+    logits = compute_logits(hidden[host_tensor(rows, hidden.device)])
+    widths = [reqs[i].params.prompt_logprobs for i in batch_index]
+    got = logprob_tensors(logits, host_tensor(tokens, hidden.device), max(widths))
+    for i, (value,) in zip(batch_index, got.token_logprobs(widths), strict=True):
+        out[i].append(value)
+    return out

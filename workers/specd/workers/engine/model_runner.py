@@ -15,7 +15,12 @@ from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_m
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
-from specd.workers.engine.logprobs import SampledLogprobs, sampled_logprobs
+from specd.workers.engine.logprobs import (
+    SampledLogprobs,
+    prompt_targets,
+    sampled_logprobs,
+    score_prompt_rows,
+)
 from specd.workers.engine.sampling import sample_next_tokens
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -50,22 +55,39 @@ class LaunchedStep:
     """A launched batch's sampled ids (and log-probs, if asked) on their way to the host
     (``done``: the copies' CUDA event; None on CPU, where they are already there)."""
 
-    host_tokens: torch.Tensor
+    out: ComputedStep
     done: torch.cuda.Event | None = None
-    logprobs: SampledLogprobs | None = None
 
     def wait(self) -> RunnerOutput:
         if self.done is not None:
             self.done.synchronize()
-        return _runner_output(self.host_tokens, self.logprobs)
+        return self.out.to_host()
 
 
-def _runner_output(
-    tokens: torch.Tensor, logprobs: SampledLogprobs | None, hidden: Any = None, aux: Any = None
-) -> RunnerOutput:
-    """The host form of a batch's sampled ids and log-probs."""
-    per_request = logprobs.per_request(tokens.numel()) if logprobs is not None else ()
-    return RunnerOutput(tuple(tokens.tolist()), hidden=hidden, aux=aux, logprobs=per_request)
+@dataclass(slots=True)
+class ComputedStep:
+    """A batch's forward and sampling: the sampled ids [num_sampled] (on the device, or
+    their host copy), their log-probs if any request asked, the prompt tokens' log-probs
+    scored for scoring requests (host, per batch request), and with captured layers the
+    hidden states and those layers' (speculative engines)."""
+
+    tokens: torch.Tensor
+    logprobs: SampledLogprobs | None = None
+    prompt_logprobs: tuple = ()
+    hidden: torch.Tensor | None = None
+    aux: Any = None
+
+    def to_host(self) -> RunnerOutput:
+        per_request = (
+            () if self.logprobs is None else self.logprobs.per_request(self.tokens.numel())
+        )
+        return RunnerOutput(
+            tuple(self.tokens.tolist()),
+            hidden=self.hidden,
+            aux=self.aux,
+            logprobs=per_request,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 @dataclass(slots=True)
@@ -156,8 +178,7 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Extend/decode forward + sampling.  With ``capture_layers`` (a speculative
         engine) the output also carries every row's hidden state and those layers'."""
-        tokens, logprobs, hidden, aux = self._forward_and_sample(batch, capture_layers)
-        return _runner_output(tokens, logprobs, hidden, aux)
+        return self._forward_and_sample(batch, capture_layers).to_host()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
@@ -168,30 +189,30 @@ class ModelRunner:
         if self._inputs_consumed is not None:  # a backend may reuse host staging buffers
             self._inputs_consumed.synchronize()
             self._inputs_consumed = None
-        tokens, logprobs, _, _ = self._forward_and_sample(batch, None, launching=True)
+        out = self._forward_and_sample(batch, None, launching=True)
         sampled_rows = [r.kv.row for r in batch.sampled_reqs]
         if sampled_rows:
-            self.last_sampled[host_tensor(sampled_rows, self.device)] = tokens
+            self.last_sampled[host_tensor(sampled_rows, self.device)] = out.tokens
         if self.device.type != "cuda":
-            return LaunchedStep(tokens, logprobs=logprobs)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        logprobs = logprobs.pinned() if logprobs is not None else None
+            return LaunchedStep(out)
+        host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
+        out.tokens = host.copy_(out.tokens, non_blocking=True)
+        if out.logprobs is not None:
+            out.logprobs = out.logprobs.pinned()
         done = torch.cuda.Event()
         done.record()
         if self._inputs_consumed is None:  # eager: the whole step read its inputs by now
             self._inputs_consumed = done
-        return LaunchedStep(host, done, logprobs)
+        return LaunchedStep(out, done)
 
     def _forward_and_sample(
         self,
         batch: ScheduledBatch,
         capture_layers: tuple[int, ...] | None,
         launching: bool = False,
-    ) -> tuple[torch.Tensor, SampledLogprobs | None, torch.Tensor | None, Any]:
-        """-> (sampled ids [num_sampled] on the device, their log-probs if any request
-        asked, hidden, aux): the latter two only with ``capture_layers``.
-        ``launching``: called by ``launch`` (see there)."""
+    ) -> ComputedStep:
+        """Forward and sampling on the device (hidden states only with
+        ``capture_layers``).  ``launching``: called by ``launch`` (see there)."""
         rows = [r.kv.row for r in batch.reqs]
         positions, out_cache_loc, meta = extend_layout(
             self.req_pool.req_to_token, rows, list(batch.prefix_lens), list(batch.extend_lens)
@@ -202,7 +223,7 @@ class ModelRunner:
             logits = self._replay_decode(
                 graph_size, input_ids, positions, out_cache_loc, meta, launching
             )
-            return (*self._sample(logits, batch), None, None)
+            return ComputedStep(*self._sample(logits, batch))
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -211,15 +232,20 @@ class ModelRunner:
             hidden, aux = self.model.forward_with_aux(input_ids, positions, ctx, capture_layers)
         ends = exclusive_cumsum(batch.extend_lens)[1:]
         last = [end - 1 for end, sampled in zip(ends, batch.sample, strict=True) if sampled]
-        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        logprobs = None
+        out = ComputedStep(torch.empty(0, dtype=torch.int64, device=self.device))
+        if capture_layers is not None:
+            out.hidden, out.aux = hidden, aux
+        targets = prompt_targets(batch.reqs, batch.prefix_lens, batch.extend_lens)
+        if targets:
+            compute_logits = self.model.compute_logits
+            out.prompt_logprobs = score_prompt_rows(hidden, compute_logits, targets, batch.reqs)
         if last:
             rows_out = (  # every row sampled (decode): no row gather
                 hidden if len(last) == len(hidden) else hidden[host_tensor(last, self.device)]
             )
             logits = self.model.compute_logits(rows_out)  # [num_sampled, vocab] float32
-            tokens, logprobs = self._sample(logits, batch)
-        return tokens, logprobs, hidden, aux
+            out.tokens, out.logprobs = self._sample(logits, batch)
+        return out
 
     @staticmethod
     def _sample(

@@ -27,6 +27,7 @@ class RequestStream:
     session_id: str | None = None  # a turn of this session (history joined on the loop)
     detok: IncrementalDetokenizer | None = None  # made on the loop, once the prompt is known
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 Deliveries = list[tuple[asyncio.Queue, GenerateDelta]]  # (a stream's queue, its delta)
@@ -96,6 +97,7 @@ class OutputProcessor:
             rid=req.rid,
             token_ids=tuple(new_tokens),
             logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(req, stream),
             text=text,
             finished=req.finished,
         )
@@ -115,6 +117,15 @@ class OutputProcessor:
         for loop, items in outbox.items():
             with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
                 loop.call_soon_threadsafe(_deliver, items)
+
+    @staticmethod
+    def _prompt_logprobs(req: Req, stream: RequestStream) -> tuple | None:
+        """The prompt's log-probs, on a scoring request's first delta (the prompt is
+        scored by then: its first output token is sampled after the last chunk)."""
+        if req.params.prompt_logprobs is None or stream.sent_prompt_logprobs:
+            return None
+        stream.sent_prompt_logprobs = True
+        return (None, *req.prompt_logprobs)
 
     @staticmethod
     def _new_text(req: Req, stream: RequestStream) -> str:

@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-prob and the top n
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     @property
     def greedy(self) -> bool:
@@ -62,7 +63,10 @@ class GenerateDelta:
 
     rid: str
     token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, if the request asked
+    # one per token, if the request asked (None: an echoed prompt's first token, gateway)
+    logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # the first delta of a request that asked: one per prompt token (None for the first)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     text: str = ""
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -48,3 +48,5 @@ class RunnerOutput:
     aux: Any = None  # {layer: [num_tokens, H]} captured residual streams (EAGLE-3)
     # per sampled request, its token's TokenLogprob (None if it did not ask); () if none did
     logprobs: tuple = ()
+    # per batch request, the prompt tokens' TokenLogprobs this chunk scored (possibly none)
+    prompt_logprobs: tuple = ()

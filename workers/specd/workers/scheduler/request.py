@@ -24,6 +24,8 @@ class Req:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs
+    # params.prompt_logprobs: prompt tokens 1, 2, ... scored so far (by prefill chunks)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     kv: RequestKV = field(default_factory=RequestKV)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -304,12 +304,14 @@ class Scheduler:
         Returns the requests that received a new token (finished ones included; not
         those that finished while this step was in flight, whose result is dropped)."""
         dropped = set()
-        for req, extend in zip(batch.reqs, batch.extend_lens, strict=True):
+        scored = result.prompt_logprobs or ((),) * len(batch.reqs)
+        for req, extend, prompt_logprobs in zip(batch.reqs, batch.extend_lens, scored, strict=True):
             if not self._step_landed(req):
                 dropped.add(id(req))
                 continue
             req.kv.committed += extend
             req.kv.assert_lengths(self.kv.row_width)
+            req.prompt_logprobs.extend(prompt_logprobs)
         updated = []
         reqs = batch.sampled_reqs
         logprobs = result.logprobs or (None,) * len(reqs)
