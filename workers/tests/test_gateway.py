@@ -244,9 +244,50 @@ def test_openai_client(gateway):
 
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+    several = client.chat.completions.create(model=MODEL, messages=messages, n=2, **GREEDY)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[0].message.content == several.choices[1].message.content  # greedy
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=messages, n=2)
+        client.chat.completions.create(model=MODEL, messages=messages, n=33)
     assert err.value.body["param"] == "n"
+
+
+SAMPLED = {"temperature": 1.0, "max_tokens": 12, "seed": 40}
+
+
+def test_n_choices_are_seeded_requests_of_their_own(http):
+    """``n``: choice i is what one request with ``seed + i`` gives; the response holds
+    them by index, usage counts the prompt once and every choice's tokens; a stream
+    interleaves the choices' chunks by index and adds up to the same."""
+    body = {"model": MODEL, "prompt": "Hello, how are", "n": 3, **SAMPLED}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    full = r.json()
+    texts = [c["text"] for c in full["choices"]]
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2]
+    assert len(set(texts)) > 1  # seeds 40, 41, 42 draw differently
+    for i, text in enumerate(texts):
+        one = {**body, "n": 1, "seed": SAMPLED["seed"] + i}
+        alone = http.post("/v1/completions", json=one).json()
+        assert alone["choices"][0]["text"] == text
+    assert full["usage"]["completion_tokens"] == 3 * SAMPLED["max_tokens"]
+    assert full["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+
+    events = stream(http, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == full["usage"]
+    by_index = {i: "" for i in range(3)}
+    for event in events[:-2]:
+        [choice] = event["choices"]
+        by_index[choice["index"]] += choice["text"]
+    assert list(by_index.values()) == texts
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2, **SAMPLED}
+    openings = [
+        e
+        for e in stream(http, "/v1/chat/completions", chat)[:-1]
+        if "role" in e["choices"][0]["delta"]
+    ]
+    assert sorted(e["choices"][0]["index"] for e in openings) == [0, 1]
 
 
 def test_completion_logprobs(http):
@@ -363,7 +404,9 @@ BAD_INPUTS = {
     "two prompts": (CMPL, {**A, "prompt": ["a", "b"]}, 400, "prompt"),
     "max_tokens 0": (CMPL, {**A, "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens string": (CMPL, {**A, "max_tokens": "many"}, 400, "max_tokens"),
-    "n=2": (CMPL, {**A, "n": 2}, 400, "n"),
+    "n=33": (CMPL, {**A, "n": 33}, 400, "n"),
+    "n=0": (CMPL, {**A, "n": 0}, 400, "n"),
+    "n=2 in a session": (CMPL, {**A, "n": 2, "session_id": "x.y"}, 400, "n"),
     "temperature -1": (CMPL, {**A, "temperature": -1}, 400, "temperature"),
     "top_p 0": (CMPL, {**A, "top_p": 0}, 400, "top_p"),
     "five stops": (CMPL, {**A, "stop": list("abcde")}, 400, "stop"),
@@ -511,6 +554,17 @@ def test_client_disconnect_aborts_in_engine(http, gateway):
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, timeout=1.0)
     _wait_for(lambda: aborts(http) >= before + 2, 20, "a non-streaming abort")
+
+    for streaming in (True, False):  # n = 3: every choice's engine request is aborted
+        base = aborts(http)
+        several = {**body, "n": 3, "temperature": 1.0, "stream": streaming}
+        if streaming:
+            with http.stream("POST", "/v1/completions", json=several) as r:
+                assert next(r.iter_lines()).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=several, timeout=1.0)
+        _wait_for(lambda base=base: aborts(http) >= base + 3, 20, "three aborts")
     _wait_for(
         lambda: all(r.inflight == 0 for r in gateway.pool.ready()), 10, "no request in flight"
     )

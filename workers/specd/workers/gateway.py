@@ -67,6 +67,7 @@ from specd.workers.model.tokenizer import (
 from specd.workers.openai_protocol import (
     ChatCompletionRequest,
     ChatFormat,
+    ChoiceResult,
     CompletionFormat,
     CompletionRequest,
     ModelCard,
@@ -79,6 +80,7 @@ from specd.workers.openai_protocol import (
     error_body,
     render_logprobs,
 )
+from specd.workers.parallel_choices import choice_requests, merge_streams
 from specd.workers.pool import PoolController, Replica, ReplicaError, replica_of_actor
 from specd.workers.router import parse_session_token, session_token
 
@@ -382,28 +384,33 @@ class _Api:
     ) -> Response:
         rid = fmt.id_prefix + uuid.uuid4().hex
         params = body.sampling_params(default_max_tokens, self.sampling_defaults())
+        req = GenerateRequest(rid, tuple(prompt_ids), params)
         if body.session_id is None:
-            deltas = self.deltas(GenerateRequest(rid, tuple(prompt_ids), params))
-        else:
+            choices = [self.deltas(r) for r in choice_requests(req, body.n)]
+        else:  # one choice: validated
             route = self.session_route(body.session_id, "session_id")
-            req = GenerateRequest(rid, tuple(prompt_ids), params, route.engine_sid)
-            deltas = self.turn_deltas(req, route, request)
+            turn = replace(req, session_id=route.engine_sid)
+            choices = [self.turn_deltas(turn, route, request)]
         try:
-            first = await _unless_disconnected(request, anext(deltas))
-            if (failure := _failure(first)) is not None:
-                raise failure
+            firsts = await _unless_disconnected(
+                request, asyncio.gather(*(anext(c) for c in choices))
+            )
+            for first in firsts:
+                if (failure := _failure(first)) is not None:
+                    raise failure
             if getattr(body, "echo", False):
-                first = self._echoed(first, body, prompt_ids)
+                firsts = [self._echoed(first, body, prompt_ids) for first in firsts]
+            streams = [_prepend(f, c) for f, c in zip(firsts, choices, strict=True)]
             if body.stream:
-                events = self.stream_events(fmt, rid, _prepend(first, deltas), body.include_usage)
-                deltas = None  # handed to the response, which closes it
+                events = self.stream_events(fmt, rid, streams, body.include_usage)
+                choices = []  # handed to the response, which closes them
                 return StreamingResponse(events, media_type="text/event-stream")
-            return await _unless_disconnected(request, self.respond(fmt, rid, first, deltas))
+            return await _unless_disconnected(request, self.respond(fmt, rid, streams))
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            if deltas is not None:
-                await deltas.aclose()
+            for choice in choices:
+                await choice.aclose()
 
     def _echoed(
         self, delta: GenerateDelta, body: CompletionRequest, prompt_ids: list[int]
@@ -503,54 +510,65 @@ class _Api:
                 await asyncio.wait_for(asyncio.shield(previous.abort), timeout)
 
     async def respond(
-        self,
-        fmt: ResponseFormat,
-        rid: str,
-        first: GenerateDelta,
-        rest: AsyncGenerator[GenerateDelta, None],
+        self, fmt: ResponseFormat, rid: str, streams: list[AsyncGenerator[GenerateDelta, None]]
     ) -> Response:
-        """The whole (non-streaming) response, or the error the request ended with."""
-        text, logprobs, last = [], [], first
-        async for delta in _prepend(first, rest):
-            text.append(delta.text)
-            logprobs += self.logprobs_of(delta) or []
-            last = delta
-        if (failure := _failure(last)) is not None:
-            return error_response(failure.status, failure.message, failure.param)
-        usage = UsageInfo.from_engine(last.usage) if last.usage else None
-        asked = last.logprobs is not None
-        finish = last.finish_reason.value
-        return _json(
-            fmt.response(
-                rid, self.model_name, "".join(text), finish, usage, logprobs if asked else None
-            )
-        )
+        """The whole (non-streaming) response, or the error a choice ended with."""
+
+        async def whole(stream: AsyncGenerator[GenerateDelta, None]):
+            text, logprobs, last = [], [], None
+            async for delta in stream:
+                text.append(delta.text)
+                logprobs += self.logprobs_of(delta) or []
+                last = delta
+            return "".join(text), (logprobs if last.logprobs is not None else None), last
+
+        results = await asyncio.gather(*(whole(s) for s in streams))
+        for _, _, last in results:
+            if (failure := _failure(last)) is not None:
+                return error_response(failure.status, failure.message, failure.param)
+        usages = [last.usage for _, _, last in results if last.usage is not None]
+        usage = UsageInfo.from_engine(usages) if len(usages) == len(results) else None
+        choices = [
+            ChoiceResult(i, text, last.finish_reason.value, logprobs)
+            for i, (text, logprobs, last) in enumerate(results)
+        ]
+        return _json(fmt.response(rid, self.model_name, choices, usage))
 
     async def stream_events(
         self,
         fmt: ResponseFormat,
         rid: str,
-        deltas: AsyncGenerator[GenerateDelta, None],
+        streams: list[AsyncGenerator[GenerateDelta, None]],
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        """SSE ``data:`` events, an error event if the request fails, then ``[DONE]``."""
+        """SSE ``data:`` events of every choice as they come (``index`` tells them apart),
+        an error event if a choice fails, the usage of all choices, then ``[DONE]``."""
         model = self.model_name
+        merged = merge_streams(streams)
+        usages, failed = {}, False
         try:
-            if (opening := fmt.opening_chunk(rid, model)) is not None:
-                yield _sse(opening)
-            async for delta in deltas:
+            for i in range(len(streams)):
+                if (opening := fmt.opening_chunk(rid, model, i)) is not None:
+                    yield _sse(opening)
+            async for i, delta in merged:
                 if (failure := _failure(delta)) is not None:
                     yield _sse(error_body(failure.status, failure.message, failure.param))
+                    failed = True
                     break
                 finish = delta.finish_reason.value if delta.finished else None
                 logprobs = self.logprobs_of(delta)
                 if delta.text or finish or logprobs:
-                    yield _sse(fmt.chunk(rid, model, delta.text, finish, logprobs))
-                if delta.finished and include_usage and delta.usage:
-                    yield _sse(fmt.usage_chunk(rid, model, UsageInfo.from_engine(delta.usage)))
+                    yield _sse(fmt.chunk(rid, model, i, delta.text, finish, logprobs))
+                if delta.finished and delta.usage is not None:
+                    usages[i] = delta.usage
+            if include_usage and not failed and len(usages) == len(streams):
+                usage = UsageInfo.from_engine([usages[i] for i in range(len(streams))])
+                yield _sse(fmt.usage_chunk(rid, model, usage))
             yield "data: [DONE]\n\n"
-        finally:
-            await deltas.aclose()  # client gone: cancels the Ray stream -> engine abort
+        finally:  # client gone: cancels the Ray streams -> engine aborts
+            await merged.aclose()
+            for stream in streams:
+                await stream.aclose()
 
 
 def build_app(

@@ -27,6 +27,7 @@ from specd.workers.engine.types import SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
 
 FinishReasonName = Literal["stop", "length"]
 
@@ -72,7 +73,7 @@ class _GenerationRequest(_Lenient):
     session_id: str | None = Field(
         None, description="Extension: append this request as a turn of the session"
     )
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -98,9 +99,9 @@ class _GenerationRequest(_Lenient):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
+    def _one_choice_per_turn(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("session_id") is not None:
+            raise ValueError("a session turn continues one conversation; send n=1")
         return value
 
     @field_validator("*")
@@ -266,14 +267,18 @@ class UsageInfo(BaseModel):
     spec_accepted_tokens: int = 0
 
     @classmethod
-    def from_engine(cls, usage: EngineUsage) -> UsageInfo:
+    def from_engine(cls, choices: Sequence[EngineUsage]) -> UsageInfo:
+        """A response's usage from its choices': the prompt counts once (OpenAI's rule
+        for ``n``), completions and speculation add up."""
+        prompt = choices[0].prompt_tokens
+        completion = sum(u.completion_tokens for u in choices)
         return cls(
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            total_tokens=usage.prompt_tokens + usage.completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
-            spec_verify_steps=usage.spec_verify_steps,
-            spec_accepted_tokens=usage.spec_accepted_tokens,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=choices[0].cached_tokens),
+            spec_verify_steps=sum(u.spec_verify_steps for u in choices),
+            spec_accepted_tokens=sum(u.spec_accepted_tokens for u in choices),
         )
 
 
@@ -477,6 +482,16 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
 Logprobs = Sequence[RenderedLogprob] | None  # the tokens' of a response or chunk, if asked
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    """One finished choice of a non-streaming response."""
+
+    index: int
+    text: str
+    finish: str
+    logprobs: Logprobs
+
+
 class ResponseFormat(Protocol):
     """How one endpoint shapes a finished response and a stream chunk (one instance per
     request: a format may keep state across a stream's chunks)."""
@@ -484,60 +499,79 @@ class ResponseFormat(Protocol):
     id_prefix: str
 
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
+        self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
     ) -> ResponseBase: ...
 
-    def opening_chunk(self, rid: str, model: str) -> ResponseBase | None: ...
+    def opening_chunk(self, rid: str, model: str, index: int) -> ResponseBase | None: ...
 
     def chunk(
-        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+        self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
     ) -> ResponseBase: ...
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> ResponseBase: ...
+
+
+class _TextOffsets:
+    """Where each token's text starts in one completion, counted from the tokens' bytes
+    (bytes that never make a character count as the U+FFFD the text shows for them)."""
+
+    def __init__(self) -> None:
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._offset = 0
+
+    def advance(self, rendered: Sequence[RenderedLogprob]) -> list[int]:
+        offsets = []
+        for r in rendered:
+            pending, _ = self._chars.getstate()  # a character's bytes not yet complete
+            offsets.append(self._offset + len(pending.decode(errors="replace")))
+            if r.in_text:
+                self._offset += len(self._chars.decode(r.token))
+        return offsets
 
 
 class CompletionFormat:
     id_prefix = "cmpl-"
 
     def __init__(self) -> None:
-        # characters of the completion so far, counted from its tokens' bytes (bytes that
-        # never make a character count as the U+FFFD the text shows for them)
-        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text_offset = 0
+        self._offsets: dict[int, _TextOffsets] = {}  # per choice index
 
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
+        self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
     ) -> CompletionResponse:
-        choice = CompletionChoice(
-            text=text, finish_reason=finish, logprobs=self._logprobs(logprobs)
-        )
-        return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
+        out = [
+            CompletionChoice(
+                index=c.index,
+                text=c.text,
+                finish_reason=c.finish,
+                logprobs=self._logprobs(c.index, c.logprobs),
+            )
+            for c in choices
+        ]
+        return CompletionResponse(id=rid, model=model, choices=out, usage=usage)
 
-    def opening_chunk(self, rid: str, model: str) -> None:
+    def opening_chunk(self, rid: str, model: str, index: int) -> None:
         return None
 
     def chunk(
-        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+        self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
     ) -> CompletionResponse:
         choice = CompletionChoice(
-            text=text, finish_reason=finish, logprobs=self._logprobs(logprobs)
+            index=index,
+            text=text,
+            finish_reason=finish,
+            logprobs=self._logprobs(index, logprobs),
         )
         return CompletionResponse(id=rid, model=model, choices=[choice])
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> CompletionResponse:
         return CompletionResponse(id=rid, model=model, choices=[], usage=usage)
 
-    def _logprobs(self, rendered: Logprobs) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, rendered: Logprobs) -> CompletionLogprobs | None:
         """OpenAI's legacy shape; each ``top_logprobs`` entry holds the top n and the
         chosen token (so up to n + 1 entries, as OpenAI documents)."""
         if rendered is None:
             return None
-        offsets = []
-        for r in rendered:
-            pending, _ = self._chars.getstate()  # a character's bytes not yet complete
-            offsets.append(self._text_offset + len(pending.decode(errors="replace")))
-            if r.in_text:
-                self._text_offset += len(self._chars.decode(r.token))
+        offsets = self._offsets.setdefault(index, _TextOffsets()).advance(rendered)
         return CompletionLogprobs(
             tokens=[token_text(r.token) for r in rendered],
             token_logprobs=[r.logprob for r in rendered],
@@ -555,24 +589,29 @@ class ChatFormat:
     id_prefix = "chatcmpl-"
 
     def response(
-        self, rid: str, model: str, text: str, finish: str, usage: UsageInfo, logprobs: Logprobs
+        self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
     ) -> ChatCompletionResponse:
-        choice = ChatChoice(
-            message=ChatMessageOut(content=text),
-            finish_reason=finish,
-            logprobs=chat_logprobs(logprobs),
-        )
-        return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
+        out = [
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                finish_reason=c.finish,
+                logprobs=chat_logprobs(c.logprobs),
+            )
+            for c in choices
+        ]
+        return ChatCompletionResponse(id=rid, model=model, choices=out, usage=usage)
 
-    def opening_chunk(self, rid: str, model: str) -> ChatCompletionChunk:
-        """OpenAI opens a chat stream with the role and empty content."""
-        delta = ChatDelta(role="assistant", content="")
-        return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(delta=delta)])
+    def opening_chunk(self, rid: str, model: str, index: int) -> ChatCompletionChunk:
+        """OpenAI opens each choice of a chat stream with the role and empty content."""
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        return ChatCompletionChunk(id=rid, model=model, choices=[choice])
 
     def chunk(
-        self, rid: str, model: str, text: str, finish: str | None, logprobs: Logprobs
+        self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
     ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(
+            index=index,
             delta=ChatDelta(content=text or None),
             finish_reason=finish,
             logprobs=chat_logprobs(logprobs),
