@@ -252,6 +252,29 @@ def test_openai_client(gateway):
     assert err.value.body["param"] == "n"
 
 
+def test_tokenize_counts_what_a_request_would_send(http):
+    """/tokenize gives the ids (and count) a completion or a chat request sends the
+    model: the same count as that request's usage; /detokenize inverts it."""
+    prompt = {"model": MODEL, "prompt": "Hello, how are"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]}
+    for path, body in ((CMPL, prompt), (CHAT, chat)):
+        got = http.post("/tokenize", json=body).json()
+        assert got["count"] == len(got["tokens"]) and got["max_model_len"] == CONTEXT
+        sent = http.post(path, json={**body, **GREEDY}).json()["usage"]["prompt_tokens"]
+        assert got["count"] == sent
+    tokens = http.post("/tokenize", json=prompt).json()["tokens"]
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert text.endswith("Hello, how are") and text.startswith("<s>")  # special tokens kept
+    for path, body, param in (
+        ("/tokenize", {**prompt, "messages": chat["messages"]}, "messages"),
+        ("/tokenize", {"model": MODEL}, "messages"),
+        ("/detokenize", {"model": MODEL, "tokens": [10**6]}, "tokens"),
+        ("/detokenize", {"model": "nope", "tokens": [1]}, "model"),
+    ):
+        r = http.post(path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
 SAMPLED = {"temperature": 1.0, "max_tokens": 12, "seed": 40}
 
 

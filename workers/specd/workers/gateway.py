@@ -70,12 +70,16 @@ from specd.workers.openai_protocol import (
     ChoiceResult,
     CompletionFormat,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     RenderedLogprob,
     ResponseFormat,
     SessionDeleted,
     SessionObject,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     error_body,
     render_logprobs,
@@ -291,6 +295,11 @@ class _Api:
         from spec.samplingDefaults and the model's generation_config.json)."""
         return self._ready_info("sampling_defaults")
 
+    def max_model_len(self) -> int | None:
+        """The context length, once a ready replica has reported it."""
+        lengths = [r.info.get("context_length") for r in self.pool.ready()]
+        return next(iter(lengths), None)
+
     def _ready_info(self, key: str) -> Any:
         for replica in self.pool.ready():
             if replica.info.get(key) is not None:
@@ -305,13 +314,13 @@ class _Api:
                 "model",
             )
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def completion_prompt(self, body: CompletionRequest | TokenizeRequest) -> list[int]:
         """Token ids as sent are used verbatim; text is tokenized."""
         if isinstance(body.prompt, str):
             return list(self.tokenizer(body.prompt)["input_ids"])
         return list(body.prompt)
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The chat template over ``messages`` (a session turn: the new messages only)."""
         try:
             return apply_chat_template(self.tokenizer, body.chat_messages())
@@ -633,11 +642,26 @@ def build_app(
     async def close_session(session_id: str) -> Response:
         return _json(await api.close_session(session_id))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        api.check_model(body.model)
+        tokens = api.chat_prompt(body) if body.messages is not None else api.completion_prompt(body)
+        return _json(
+            TokenizeResponse(count=len(tokens), max_model_len=api.max_model_len(), tokens=tokens)
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        api.check_model(body.model)
+        vocab = len(tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+        return _json(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)))
+
     @app.get("/v1/models")
     async def models() -> Response:
-        lengths = [r.info.get("context_length") for r in pool.ready()]
         return _json(
-            ModelList(data=[ModelCard(id=api.model_name, max_model_len=next(iter(lengths), None))])
+            ModelList(data=[ModelCard(id=api.model_name, max_model_len=api.max_model_len())])
         )
 
     @app.get("/health")

@@ -218,6 +218,11 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template reads them."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
@@ -248,7 +253,35 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return chat_messages(self.messages)
+
+
+class TokenizeRequest(_Lenient):
+    """``POST /tokenize`` (as vLLM offers it): the token ids a completion (``prompt``) or
+    a chat request (``messages``, with the assistant header) would send the model."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(
+        cls, value: list[ChatMessage] | None, info: ValidationInfo
+    ) -> list[ChatMessage] | None:
+        if (value is None) == (info.data.get("prompt") is None):
+            raise ValueError("send either prompt (completions) or messages (chat), not both")
+        return value
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return chat_messages(self.messages or [])
+
+
+class DetokenizeRequest(_Lenient):
+    """``POST /detokenize``: token ids -> text (special tokens kept)."""
+
+    model: str
+    tokens: list[int]
 
 
 # -- responses ----------------------------------------------------------------
@@ -419,6 +452,16 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None = Field(None, exclude_if=_omit_none)
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):
