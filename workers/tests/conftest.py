@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specd.workers.testing import DEMO_MODELS
+from specd.workers.testing import DEMO_EAGLE, DEMO_TARGET
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 
@@ -56,6 +56,5 @@ def gpu_pair(tmp_path_factory):
     logit gaps (random weights large enough to give varied text stray by whole logits in
     bf16), the trained draft really accepts, and the heads are 64 wide (flashinfer runs
     64, 128 and 256)."""
-    target = str(DEMO_MODELS / "demo-target")
-    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-demo"), target)
-    return target, str(DEMO_MODELS / "demo-eagle"), str(eagle3)
+    eagle3 = make_tiny_eagle3(tmp_path_factory.mktemp("eagle3-demo"), DEMO_TARGET)
+    return DEMO_TARGET, DEMO_EAGLE, str(eagle3)

@@ -17,7 +17,9 @@ from specd.workers.mem_cache.sizing import SpecShape, alloc_reserve_per_decode
 from specd.workers.speculative.adaptive import AdaptiveController, SpecPolicy
 from specd.workers.speculative.rung import PLAIN, Rung
 from specd.workers.testing import (
+    DEMO_EAGLE,
     DEMO_MODELS,
+    DEMO_TARGET,
     check_exact_run,
     hf_greedy,
     metric_value,
@@ -390,7 +392,7 @@ def demo_repetitive():
     everything -> (prompt, plain greedy output)."""
     tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
     prompt = tok.encode("# " + "-" * 60 + "\n").ids
-    plain = start_engine(str(DEMO_MODELS / "demo-target"))
+    plain = start_engine(DEMO_TARGET)
     try:
         [(tokens, _, _)] = run_all(plain, [prompt], max_tokens=MAX_NEW + 10, ignore_eos=True)
     finally:
@@ -408,10 +410,10 @@ def demo_repetitive():
 def test_trained_draft_moves_the_rung_up(demo_repetitive, candidates, num_steps, overlap):
     prompt, expected = demo_repetitive
     engine = start_engine(
-        str(DEMO_MODELS / "demo-target"),
+        DEMO_TARGET,
         kvCache={"pageSize": 4},
         scheduler={"overlap": overlap},
-        draft={"path": str(DEMO_MODELS / "demo-eagle")},
+        draft={"path": DEMO_EAGLE},
         speculative={
             "numSteps": max(num_steps, 1),
             "numDraftTokens": max(num_steps, 1) + 1,

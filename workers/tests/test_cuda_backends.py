@@ -20,7 +20,8 @@ from specd.kernels import available_backends
 from specd.workers.config import ConfigError
 from specd.workers.greedy_judge import GreedyJudge
 from specd.workers.testing import (
-    DEMO_MODELS,
+    DEMO_EAGLE,
+    DEMO_TARGET,
     Reference,
     check_outputs,
     demo_prompts,
@@ -162,12 +163,12 @@ def demo_run(graphs, speculative, page, device="cpu", dtype="float32", backend="
     """The shipped trained pair (real acceptance) on Python source: prompts, outputs, each
     request's (verify steps, accepted drafts), and the graph status."""
     engine = start_engine(
-        str(DEMO_MODELS / "demo-target"),
+        DEMO_TARGET,
         device=device,
         model={"dtype": dtype},
         attentionBackend=backend,
         kvCache={"pageSize": page, "maxTokens": 4096},
-        draft={"path": str(DEMO_MODELS / "demo-eagle")},
+        draft={"path": DEMO_EAGLE},
         speculative=speculative,
         cudaGraph={"enabled": graphs, "maxBatchSize": 4},
         debug={"strictMemCheck": 1},

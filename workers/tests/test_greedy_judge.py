@@ -12,26 +12,25 @@ import torch
 
 from specd.workers.greedy_judge import GreedyJudge
 from specd.workers.testing import (
-    DEMO_MODELS,
+    DEMO_EAGLE,
+    DEMO_TARGET,
     Reference,
     ragged_demo_prompts,
     start_spec_engine,
 )
 
-TARGET = str(DEMO_MODELS / "demo-target")
-DRAFT = str(DEMO_MODELS / "demo-eagle")
 BF16 = {"dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
 def judge():
-    return GreedyJudge(TARGET)
+    return GreedyJudge(DEMO_TARGET)
 
 
 @pytest.fixture(scope="module")
 def bf16_reference(judge):
     """The torch backend's bf16 greedy run, itself within tolerance of float32."""
-    ref = Reference.run(TARGET, ragged_demo_prompts(), 24, judge, model=BF16)
+    ref = Reference.run(DEMO_TARGET, ragged_demo_prompts(), 24, judge, model=BF16)
     judge.check_greedy(ref.prompts, ref.outputs)
     return ref
 
@@ -90,6 +89,8 @@ def test_outputs_of_another_length_fail(judge, bf16_reference):
 def test_bf16_speculation_on_cpu_is_greedy_up_to_near_ties(
     bf16_reference, page, steps, topk, overlap
 ):
-    engine = start_spec_engine(TARGET, DRAFT, page, steps, topk, overlap=overlap, model=BF16)
+    engine = start_spec_engine(
+        DEMO_TARGET, DEMO_EAGLE, page, steps, topk, overlap=overlap, model=BF16
+    )
     results = bf16_reference.check_run(engine)
     assert sum(r[2].usage.spec_accepted_tokens for r in results) > 20  # the trained draft

@@ -18,15 +18,14 @@ from specd.workers.greedy_judge import GreedyJudge
 from specd.workers.model.tokenizer import load_tokenizer
 from specd.workers.scheduler.request import Req
 from specd.workers.testing import (
-    DEMO_MODELS,
+    DEMO_EAGLE,
+    DEMO_TARGET,
     demo_prompts,
     metric_value,
     random_prompts,
     start_engine,
 )
 
-TARGET = str(DEMO_MODELS / "demo-target")
-DRAFT = str(DEMO_MODELS / "demo-eagle")
 NEW_TOKENS = 24
 ATOL = 2e-4  # float32 engine vs float32 transformers (other kernels, other batch shapes)
 # bf16 logits stray from float32 by at most 0.10 on the demo target (greedy_judge.py); a
@@ -36,7 +35,7 @@ BF16_LOGPROB_TOLERANCE = 0.25
 
 @pytest.fixture(scope="module")
 def peer():
-    return GreedyJudge(TARGET)
+    return GreedyJudge(DEMO_TARGET)
 
 
 async def _collect(engine, rid, prompt, params):
@@ -116,8 +115,8 @@ def check_layout(peer, layout, temperature, atol=ATOL, device="cpu", **extra):
     ``peer``; a speculative layout must really accept drafts."""
     spec = {**SPEC_LAYOUTS[layout], **extra}
     if "speculative" in spec:
-        spec["draft"] = {"path": DRAFT}
-    engine = start_engine(TARGET, device=device, debug={"strictMemCheck": 1}, **spec)
+        spec["draft"] = {"path": DEMO_EAGLE}
+    engine = start_engine(DEMO_TARGET, device=device, debug={"strictMemCheck": 1}, **spec)
     prompts = demo_prompts(3, 32)
     results = run_with_logprobs(engine, prompts, mixed_params(temperature))
     for (tokens, logprobs, _), prompt, width in zip(results, prompts, (5, 0), strict=False):
@@ -149,7 +148,7 @@ def test_cuda_backends_give_the_targets_logprobs(backend, layout):
     dtype = "float32" if torch.float32 in caps.dtypes else "bfloat16"
     atol = ATOL * 5 if dtype == "float32" else BF16_LOGPROB_TOLERANCE
     check_layout(
-        GreedyJudge(TARGET, "cuda"),
+        GreedyJudge(DEMO_TARGET, "cuda"),
         layout,
         0.0,
         atol,
@@ -185,9 +184,9 @@ def test_prompt_logprobs_score_every_chunk_once(peer, speculative):
     prefill in chunks of 16 (rows ending a chunk predict the next chunk's first token)."""
     spec = {"scheduler": {"chunkedPrefillSize": 16}}
     if speculative:
-        spec["draft"] = {"path": DRAFT}
+        spec["draft"] = {"path": DEMO_EAGLE}
         spec["speculative"] = {"numSteps": 3, "topk": 1, "numDraftTokens": 4}
-    engine = start_engine(TARGET, debug={"strictMemCheck": 1}, **spec)
+    engine = start_engine(DEMO_TARGET, debug={"strictMemCheck": 1}, **spec)
     prompts = [demo_prompts(1, 40)[0], demo_prompts(2, 9)[1]]
     scoring = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=0)
     results = run_with_logprobs(
@@ -215,16 +214,16 @@ def test_stop_string_cuts_tokens_and_logprobs_together():
     """A stop string completed inside a verify's accepted tokens drops the tokens after
     it, and their log-probs with them."""
     engine = start_engine(
-        TARGET,
-        draft={"path": DRAFT},
+        DEMO_TARGET,
+        draft={"path": DEMO_EAGLE},
         speculative={"numSteps": 5, "topk": 1, "numDraftTokens": 6},
     )
     prompt = demo_prompts(1, 32)[0]
-    free = start_engine(TARGET)
+    free = start_engine(DEMO_TARGET)
     [(tokens, _, _)] = run_with_logprobs(
         free, [prompt], [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)]
     )
-    text = load_tokenizer(TARGET).decode(tokens)
+    text = load_tokenizer(DEMO_TARGET).decode(tokens)
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,), logprobs=1)
     [(cut, logprobs, last)] = run_with_logprobs(engine, [prompt], [params])
@@ -234,7 +233,7 @@ def test_stop_string_cuts_tokens_and_logprobs_together():
 
 
 def test_logprobs_width_is_checked():
-    engine = start_engine(TARGET)
+    engine = start_engine(DEMO_TARGET)
     try:
         for bad in (-1, MAX_TOP_LOGPROBS + 1):
             with pytest.raises(InvalidRequest, match=r"^logprobs: must be in \[0, 20\]"):

@@ -15,7 +15,9 @@ from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.sizing import SpecShape
 from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.testing import (
+    DEMO_EAGLE,
     DEMO_MODELS,
+    DEMO_TARGET,
     check_exact_run,
     check_small_pool_run,
     demo_prompts,
@@ -243,8 +245,8 @@ def test_backend_without_paged_tree_is_refused():
 
 def demo_engine(**spec):
     return start_engine(
-        str(DEMO_MODELS / "demo-target"),
-        draft={"path": str(DEMO_MODELS / "demo-eagle")},
+        DEMO_TARGET,
+        draft={"path": DEMO_EAGLE},
         **spec,
     )
 
@@ -259,7 +261,7 @@ def demo_run(engine, prompts, new_tokens=40):
 @pytest.fixture(scope="module")
 def demo_reference():
     prompts = demo_prompts()
-    plain = start_engine(str(DEMO_MODELS / "demo-target"))
+    plain = start_engine(DEMO_TARGET)
     return prompts, [r[0] for r in demo_run(plain, prompts)]
 
 
@@ -344,7 +346,7 @@ def test_stop_string_inside_accepted_tokens_cuts_like_plain_decode(demo_referenc
     positions of the output (so some fall inside multi-token verify results)."""
     prompts, _ = demo_reference
     tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    plain = start_engine(str(DEMO_MODELS / "demo-target"))
+    plain = start_engine(DEMO_TARGET)
     spec = demo_engine(speculative={"numSteps": 5, "topk": 1, "numDraftTokens": 6})
     try:
         [(tokens, text, _)] = run_all(plain, prompts[:1], max_tokens=48, ignore_eos=True)

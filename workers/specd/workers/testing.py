@@ -22,6 +22,8 @@ from specd.workers.greedy_judge import GreedyJudge
 
 # The trained demo pair the repo ships (demo-target, demo-eagle), from a source checkout.
 DEMO_MODELS = Path(__file__).resolve().parents[3] / "examples" / "models"
+DEMO_TARGET = str(DEMO_MODELS / "demo-target")  # the shipped trained pair
+DEMO_EAGLE = str(DEMO_MODELS / "demo-eagle")
 
 
 class RecordingOps(TorchOps):
