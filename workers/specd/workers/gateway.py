@@ -296,9 +296,11 @@ class _Api:
         return self._ready_info("sampling_defaults")
 
     def max_model_len(self) -> int | None:
-        """The context length, once a ready replica has reported it."""
-        lengths = [r.info.get("context_length") for r in self.pool.ready()]
-        return next(iter(lengths), None)
+        """The context length, once a ready replica has reported it (else None)."""
+        try:
+            return self.context_length()
+        except ApiError:
+            return None
 
     def _ready_info(self, key: str) -> Any:
         for replica in self.pool.ready():
