@@ -55,10 +55,9 @@ class GreedyJudge:
         """Assert every token of ``outputs`` is within tolerance of the float32 greedy
         choice after its own prefix."""
         for n, (prompt, tokens) in enumerate(zip(prompts, outputs, strict=True)):
-            self._check_tokens(n, prompt, tokens)
+            self._check_tokens(n, tokens, self.shortfalls(prompt, tokens))
 
-    def _check_tokens(self, n: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
-        short = self.shortfalls(prompt, tokens)
+    def _check_tokens(self, n: int, tokens: Sequence[int], short: list[float]) -> None:
         worst = max(range(len(tokens)), key=short.__getitem__, default=None)
         assert worst is None or short[worst] <= self.tolerance, (
             f"output {n}, token {worst} ({tokens[worst]}): {short[worst]:.3f} logits "
@@ -77,12 +76,13 @@ class GreedyJudge:
                 exact += 1
                 continue
             part = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-            got_short = self.shortfalls(prompt, got[: part + 1])[part]
+            got_shortfalls = self.shortfalls(prompt, got)  # the prefix up to ``part`` is shared
+            got_short = got_shortfalls[part]
             want_short = self.shortfalls(prompt, want[: part + 1])[part]
             assert max(got_short, want_short) <= self.tolerance, (
                 f"output {n} parts from the reference at token {part} ({got[part]} for "
                 f"{want[part]}), {got_short:.3f} and {want_short:.3f} logits below the "
                 f"float32 greedy choice: not a near tie (tolerance {self.tolerance})"
             )
-            self._check_tokens(n, prompt, got)
+            self._check_tokens(n, got, got_shortfalls)
         return exact
