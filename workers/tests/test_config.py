@@ -205,13 +205,16 @@ def test_sampling_defaults_take_the_spec_over_the_model_file():
     assert ignored.sampling_defaults.resolve(model_file) == {}
 
 
-def test_recommendations_specd_does_not_apply_are_named_unless_neutral():
+def test_the_model_files_penalty_and_min_p_are_defaults_too():
     model_file = {"temperature": 0.7, "repetition_penalty": 1.05, "min_p": 0.0}
     defaults = parse_deployment(doc()).spec.sampling_defaults
-    assert defaults.resolve(model_file) == {"temperature": 0.7}
-    assert defaults.unapplied(model_file) == {"repetition_penalty": 1.05}
-    ignored = parse_deployment(doc(samplingDefaults={"fromModel": False})).spec
-    assert ignored.sampling_defaults.unapplied(model_file) == {}
+    assert defaults.resolve(model_file) == model_file
+    mine = parse_deployment(doc(samplingDefaults={"repetitionPenalty": 1, "minP": 0.05})).spec
+    assert mine.sampling_defaults.resolve(model_file) == {
+        "temperature": 0.7,
+        "repetition_penalty": 1,
+        "min_p": 0.05,
+    }
 
 
 @pytest.mark.parametrize(
@@ -221,6 +224,8 @@ def test_recommendations_specd_does_not_apply_are_named_unless_neutral():
         ({"top_p": 0}, "top_p=0, which must be a number in (0, 1]"),
         ({"top_k": 2.5}, "top_k=2.5, which must be an integer >= -1"),
         ({"temperature": "0.7"}, "temperature='0.7', which must be a number"),
+        ({"repetition_penalty": 0}, "repetition_penalty=0, which must be a number > 0"),
+        ({"min_p": 1.2}, "min_p=1.2, which must be a number in [0, 1]"),
     ],
 )
 def test_an_out_of_range_model_default_is_refused_unless_the_file_is_ignored(model_file, message):

@@ -313,6 +313,28 @@ def test_n_choices_are_seeded_requests_of_their_own(http):
     assert sorted(e["choices"][0]["index"] for e in openings) == [0, 1]
 
 
+def test_penalties_min_tokens_and_logit_bias_reach_the_engine(http):
+    """OpenAI's ``presence_penalty`` / ``frequency_penalty`` / ``logit_bias`` and vLLM's
+    ``repetition_penalty`` / ``min_p`` / ``min_tokens`` are served: a +100 bias makes
+    greedy pick its token every time, penalties change what greedy repeats."""
+    prompt = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello, how are"}).json()
+    favoured = max(prompt["tokens"])
+    body = {"model": MODEL, "prompt": "Hello, how are", **GREEDY, "ignore_eos": True}
+    biased = http.post("/v1/completions", json={**body, "logit_bias": {str(favoured): 100}})
+    assert biased.status_code == 200, biased.text
+    want = http.post("/detokenize", json={"model": MODEL, "tokens": [favoured] * 24}).json()
+    assert biased.json()["choices"][0]["text"] == want["prompt"]
+
+    def distinct_tokens(extra: dict) -> int:
+        r = http.post("/v1/completions", json={**body, "logprobs": 0, **extra})
+        assert r.status_code == 200, r.text
+        return len(set(r.json()["choices"][0]["logprobs"]["tokens"]))
+
+    plain = distinct_tokens({})
+    assert distinct_tokens({"frequency_penalty": 2, "presence_penalty": 2}) > plain
+    assert distinct_tokens({"repetition_penalty": 3.0, "min_p": 0.1, "min_tokens": 4}) > plain
+
+
 def test_completion_logprobs(http):
     """``logprobs: n`` on /v1/completions: OpenAI's parallel lists, one entry per token;
     each top_logprobs entry holds the top n and the chosen token; greedy picks the top
@@ -453,6 +475,14 @@ BAD_INPUTS = {
         400,
         "top_logprobs",
     ),
+    "presence_penalty 3": (CMPL, {**A, "presence_penalty": 3}, 400, "presence_penalty"),
+    "frequency_penalty -3": (CMPL, {**A, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    "repetition_penalty 0": (CMPL, {**A, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    "min_p 2": (CMPL, {**A, "min_p": 2}, 400, "min_p"),
+    "min_tokens > max_tokens": (CMPL, {**A, "min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
+    "logit_bias key not an id": (CMPL, {**A, "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    "logit_bias 101": (CMPL, {**A, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "logit_bias out of vocab": (CMPL, {**A, "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
     "wrong model": (CMPL, {**A, "model": "gpt-4"}, 404, "model"),
     "prompt too long": (CMPL, {**A, "prompt": LONG}, 400, "prompt"),
     "prompt too long, stream": (CMPL, {**A, "prompt": LONG, "stream": True}, 400, "prompt"),

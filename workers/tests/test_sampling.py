@@ -41,13 +41,22 @@ def test_defaults_fill_only_the_fields_a_request_leaves_out(kind):
         del body["prompt"]
     else:
         del body["messages"]
-    defaults = {"temperature": 0.0, "top_p": 0.8, "top_k": 20}
+    defaults = {
+        "temperature": 0.0,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+    }
     left_out = kind.model_validate(body).sampling_params(16, defaults)
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.0, 0.8, 20)
+    assert (left_out.repetition_penalty, left_out.min_p) == (1.1, 0.05)
     assert left_out.greedy
     # a request's own value wins, also when it is the OpenAI default
-    own = kind.model_validate({**body, "temperature": 1.0, "top_k": -1})
+    own = kind.model_validate({**body, "temperature": 1.0, "top_k": -1, "repetition_penalty": 1})
     params = own.sampling_params(16, defaults)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.8, -1)
+    assert (params.repetition_penalty, params.min_p) == (1.0, 0.05)
     plain = kind.model_validate(body).sampling_params(16)
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, -1)
+    assert (plain.repetition_penalty, plain.min_p) == (1.0, 0.0)

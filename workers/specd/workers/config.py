@@ -326,6 +326,8 @@ _SAMPLING_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "temperature": ("a number in [0, 2]", lambda v: 0 <= v <= 2),
     "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
     "top_k": ("an integer >= -1 (0 and -1: off)", lambda v: float(v).is_integer() and v >= -1),
+    "repetition_penalty": ("a number > 0 (1: off)", lambda v: v > 0),
+    "min_p": ("a number in [0, 1]", lambda v: 0 <= v <= 1),
 }
 
 
@@ -335,16 +337,19 @@ class SamplingDefaultsSpec(_Spec):
     vLLM's ``--generation-config auto``), then the OpenAI API's (temperature 1, top_p 1)."""
 
     from_model: bool = Field(
-        True, description="Use temperature, top_p and top_k from generation_config.json"
+        True,
+        description="Use temperature, top_p, top_k, repetition_penalty and min_p from "
+        "generation_config.json",
     )
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    repetition_penalty: float | None = Field(None, gt=0, description="1: off")
+    min_p: float | None = Field(None, ge=0, le=1, description="0: off")
 
     def resolve(self, generation: dict[str, Any]) -> dict[str, float]:
         """Request defaults from this spec over ``generation`` (a model's
-        generation_config.json sampling keys as written; refused when out of range;
-        keys without a rule here are not applied, see ``unapplied``)."""
+        generation_config.json sampling keys as written; refused when out of range)."""
         out: dict[str, float] = {}
         for key, value in generation.items() if self.from_model else ():
             if key not in _SAMPLING_RULES:
@@ -356,21 +361,11 @@ class SamplingDefaultsSpec(_Spec):
                     f"{rule}: fix the file, or set spec.samplingDefaults.fromModel: false"
                 )
             out[key] = int(value) if key == "top_k" else value
-        mine = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        mine = {key: getattr(self, key) for key in _SAMPLING_RULES}
         out.update({key: value for key, value in mine.items() if value is not None})
         if out.get("top_k") == 0:
             out["top_k"] = -1
         return out
-
-    def unapplied(self, generation: dict[str, Any]) -> dict[str, Any]:
-        """The model's recommendations specd does not apply (repetition_penalty, min_p)
-        when they would change anything."""
-        neutral = {"repetition_penalty": 1.0, "min_p": 0.0}
-        return {
-            key: value
-            for key, value in (generation.items() if self.from_model else ())
-            if key not in _SAMPLING_RULES and value != neutral.get(key)
-        }
 
 
 class DebugSpec(_Spec):

@@ -4,8 +4,8 @@ Requests validate everything the engine cannot see (types, ranges, ``n``, batche
 prompts, unsupported options) so a bad field becomes a 400 that names it.  Unknown
 fields are *ignored*, not rejected as OpenAI does: clients and SDKs send vendor fields
 (``extra_body``, tracing ids) that must not break a request.  Options we do not
-implement are accepted when they ask for nothing (``best_of: 1``, ``presence_penalty:
-0``) and refused otherwise, naming the field.
+implement are accepted when they ask for nothing (``best_of: 1``, ``tools: []``) and
+refused otherwise, naming the field.
 
 ``CompletionFormat`` and ``ChatFormat`` turn engine output into the two endpoints'
 response and chunk objects, so the gateway runs one code path for both.
@@ -28,6 +28,8 @@ from specd.workers.engine.types import Usage as EngineUsage
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
+# the sampling fields a deployment's defaults fill when a request leaves them out
+DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 FinishReasonName = Literal["stop", "length"]
 
@@ -51,11 +53,7 @@ class _GenerationRequest(_Lenient):
     """Fields shared by completions and chat completions."""
 
     # field -> values that ask for nothing; any other value of the field is refused
-    _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (0,),
-        "frequency_penalty": (0,),
-        "logit_bias": ({},),
-    }
+    _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -77,9 +75,30 @@ class _GenerationRequest(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="Extension: > 1 discourages prompt and output tokens (1: off)"
+    )
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Extension: drop tokens below min_p * the top probability"
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="Extension: hold back EOS and stop_token_ids until this many"
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'key {key!r} is not a token id (send ids as strings: "1234")')
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias {bias} of token {key} is not in [-100, 100]")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -133,7 +152,7 @@ class _GenerationRequest(_Lenient):
     ) -> SamplingParams:
         """The engine's parameters; ``defaults`` (the deployment's sampling defaults)
         fill the sampling fields this request left out."""
-        chosen = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        chosen = {key: getattr(self, key) for key in DEFAULTABLE_SAMPLING_FIELDS}
         for key, value in (defaults or {}).items():
             if key in chosen and key not in self.model_fields_set:
                 chosen[key] = value
@@ -148,6 +167,12 @@ class _GenerationRequest(_Lenient):
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            min_p=chosen["min_p"],
+            min_tokens=self.min_tokens,
+            repetition_penalty=chosen["repetition_penalty"],
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
 
@@ -155,7 +180,6 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``."""
 
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_GenerationRequest._NO_OP,
         "best_of": (1,),
         "suffix": (),
     }
@@ -227,7 +251,6 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_GenerationRequest._NO_OP,
         "tools": ([],),
         "response_format": ({"type": "text"},),
     }

@@ -27,6 +27,7 @@ from specd.kernels.ops import ops_for_backend
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.graph_runner import GraphRunner, default_sizes
+from specd.workers.engine.logits_processors import LogitsProcessors, check_processor_params
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
@@ -88,19 +89,9 @@ def pick_device(spec: DeploymentSpec) -> str:
     return "cuda" if spec.resources.gpus > 0 and torch.cuda.is_available() else "cpu"
 
 
-def sampling_defaults(spec: DeploymentSpec, config: ModelConfig, replica: str) -> dict:
-    """What requests that leave sampling fields out get (``SamplingDefaultsSpec``); the
-    model's recommendations specd does not apply are logged."""
-    recommended = config.generation_sampling
-    for key, value in spec.sampling_defaults.unapplied(recommended).items():
-        log.warning(
-            "engine %s: the model's generation_config.json recommends %s=%r, which specd "
-            "does not apply",
-            replica,
-            key,
-            value,
-        )
-    return spec.sampling_defaults.resolve(recommended)
+def sampling_defaults(spec: DeploymentSpec, config: ModelConfig) -> dict:
+    """What requests that leave sampling fields out get (``SamplingDefaultsSpec``)."""
+    return spec.sampling_defaults.resolve(config.generation_sampling)
 
 
 def single_threaded_torch_in_this_thread() -> None:
@@ -228,7 +219,7 @@ class Engine:
         )
         self.context_length = spec.model.context_length or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(eos_token_ids(self.tokenizer, self.model_config))
-        self.sampling_defaults = sampling_defaults(spec, self.model_config, self.replica)
+        self.sampling_defaults = sampling_defaults(spec, self.model_config)
         self.spec_shape = SpecShape.from_spec(spec.speculative)
         self.spec_policy: SpecPolicy | None = None
         if spec.speculative is not None:
@@ -320,7 +311,10 @@ class Engine:
             dtype,
             self.device,
         )
-        self.runner = ModelRunner(self.model, self.req_pool, self.kv_pool, backend, self.device)
+        processors = LogitsProcessors(sorted(self.eos_token_ids))
+        self.runner = ModelRunner(
+            self.model, self.req_pool, self.kv_pool, backend, self.device, processors
+        )
         self.spec_decoder: SpecDecoder | None = None
         if draft_cfg is not None:
             draft_pool = KVPool(
@@ -342,6 +336,7 @@ class Engine:
                 self.device,
                 ops=ops,
                 force_accept_len=self.knobs.force_accept_len,
+                processors=processors,
             )
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
 
@@ -384,6 +379,7 @@ class Engine:
             raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
+        check_processor_params(req.params, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(req.params, name)
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:

@@ -15,6 +15,7 @@ from specd.kernels import AttentionBackend, AttentionMetadata, build_attention_m
 from specd.kernels.metadata import GraphBuffers, GraphShape, metadata_from_indices, pad_metadata
 from specd.kernels.ops import exclusive_cumsum, host_tensor
 from specd.workers.engine.graph_runner import GraphRunner
+from specd.workers.engine.logits_processors import LogitsProcessors
 from specd.workers.engine.logprobs import (
     SampledLogprobs,
     prompt_targets,
@@ -125,8 +126,10 @@ class ModelRunner:
         kv_pool: KVPool,
         backend: AttentionBackend,
         device: torch.device,
+        processors: LogitsProcessors | None = None,
     ):
         self.model = model
+        self.processors = processors or LogitsProcessors(())
         self.decode_graphs: GraphRunner[DecodeBucket] | None = None
         self.req_pool = req_pool
         self.kv_pool = kv_pool
@@ -247,13 +250,14 @@ class ModelRunner:
             out.tokens, out.logprobs = self._sample(logits, batch)
         return out
 
-    @staticmethod
     def _sample(
-        logits: torch.Tensor, batch: ScheduledBatch
+        self, logits: torch.Tensor, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """Next ids of the batch's sampled requests, and their log-probs if any asked."""
+        """Next ids of the batch's sampled requests (after their logits processors), and
+        their log-probs (of the raw logits) if any asked."""
         reqs = batch.sampled_reqs
-        tokens = sample_next_tokens(logits, reqs)
+        tokens = sample_next_tokens(self.processors.apply(logits, reqs), reqs)
+        self.processors.record(reqs, tokens)
         return tokens, sampled_logprobs(logits, tokens, reqs)
 
     def _input_ids(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:

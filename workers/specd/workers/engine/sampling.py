@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from specd.workers.engine.types import SamplingParams
 from specd.workers.scheduler.request import Req
 
 
@@ -17,15 +18,20 @@ def request_generator(req: Req, device: torch.device) -> torch.Generator:
     return req.sampler_state
 
 
-def filtered_probs(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    """[..., V] probabilities after temperature, top-k and top-p (nucleus) cuts."""
-    logits = logits / temperature
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] probabilities after temperature, then the top-k, min-p and top-p
+    (nucleus) cuts.  Top-k and min-p commute (both keep tokens by their ratio to the
+    most likely one), so this is vLLM's order: min-p before top-k / top-p."""
+    logits = logits / params.temperature
+    top_k, top_p = params.top_k, params.top_p
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs /= probs.sum(-1, keepdim=True)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -50,7 +56,7 @@ def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     for i, req in enumerate(reqs):
         p = req.params
         if not p.greedy:
-            probs = filtered_probs(logits[i], p.temperature, p.top_k, p.top_p)
+            probs = filtered_probs(logits[i], p)
             generator = request_generator(req, logits.device)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=generator)
     return tokens

@@ -25,6 +25,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each token's log-prob and the top n
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    # logits processors (engine/logits_processors.py) and min-p (sampling.py)
+    min_p: float = 0.0  # drop tokens below min_p * the most likely token's probability
+    min_tokens: int = 0  # hold back EOS and stop_token_ids until this many are generated
+    repetition_penalty: float = 1.0  # 1: off; > 1 discourages prompt and output tokens
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated
+    presence_penalty: float = 0.0  # subtracted once a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:

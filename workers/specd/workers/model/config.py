@@ -20,8 +20,8 @@ _ROPE_REQUIRED_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 SUPPORTED_ROPE_TYPES = tuple(_ROPE_REQUIRED_KEYS)
-# generation_config.json's sampling recommendations: vLLM applies all of these; specd the
-# first three (``SamplingDefaultsSpec.resolve``), and says so about the others
+# generation_config.json's sampling recommendations, applied as vLLM applies them
+# (``SamplingDefaultsSpec.resolve``)
 GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 

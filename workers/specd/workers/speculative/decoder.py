@@ -35,6 +35,7 @@ import torch
 
 from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.engine.logits_processors import LogitsProcessors
 from specd.workers.engine.logprobs import path_logprobs
 from specd.workers.engine.model_runner import extend_layout
 from specd.workers.engine.sampling import filtered_probs, greedy_ids, request_generator
@@ -112,8 +113,10 @@ class SpecDecoder:
         *,
         ops: KernelOps = TORCH_OPS,
         force_accept_len: float | None = None,
+        processors: LogitsProcessors | None = None,
     ):
         self.target = target
+        self.processors = processors or LogitsProcessors(())
         self.head = head
         self.page_size = page_size
         self._layouts: dict[Rung, TreeLayout] = {}
@@ -217,6 +220,7 @@ class SpecDecoder:
         probes = ()
         if guesses is not None:  # the bonus is the target's token after the root
             probes = tuple((guesses == result.bonus_tokens).long().tolist())
+        self.processors.record(reqs, tokens)
         logprobs = path_logprobs(reqs, logits, result.accept_index, tokens)
         accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
         outputs = self._extend_accepted(rung, accepted)
@@ -340,11 +344,13 @@ class SpecDecoder:
 
     def _accept(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         """Greedy walk when every request is greedy, else tree speculative sampling
-        (greedy requests get one-hot rows and zero coins, which is the greedy walk)."""
+        (greedy requests get one-hot rows and zero coins, which is the greedy walk), on
+        the logits after each request's processors."""
         if self.force_accept_len is not None:  # benchmarks: acceptance at a chosen mean
             return forced_accept(
                 tree, greedy_ids(logits), self.force_accept_len, self._forced_draws
             )
+        logits = self.processors.apply_tree(logits, reqs, tree.tree_mask, tree.tokens, tree.depths)
         if all(r.params.greedy for r in reqs):
             return verify_greedy(tree, greedy_ids(logits), self.ops)
         probs = torch.empty_like(logits)
@@ -356,7 +362,7 @@ class SpecDecoder:
                     probs.dtype
                 )
                 continue
-            probs[b] = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p)
+            probs[b] = filtered_probs(logits[b], p)
             gen = request_generator(req, self.device)
             coins[b] = torch.rand(tree.num_tokens + 1, generator=gen, device=gen.device)
         return verify_sampling(tree, probs, coins)
