@@ -247,6 +247,26 @@ def speculative() -> dict:
                 description="Slots allocated beyond committed length / used slots",
             ),
             panel(
+                "Prefix-cache KV tokens",
+                [(per_replica("specd_kv_tokens_cached"), REPLICA_LEGEND)],
+                description="Finished requests' KV kept for later requests with the same "
+                "prefix (borrowed or evictable); not counted as used",
+            ),
+            panel(
+                "Prefix-cache hit rate (tokens)",
+                [
+                    (
+                        rate("specd_prefix_cache_hit_tokens_total")
+                        + " / "
+                        + rate("specd_prefix_cache_queried_tokens_total"),
+                        REPLICA_LEGEND,
+                    )
+                ],
+                unit="percentunit",
+                description="Share of admitted requests' tokens found in the prefix cache "
+                "(their prefill skipped)",
+            ),
+            panel(
                 "Session-held KV tokens",
                 [(per_replica("specd_session_kv_tokens"), REPLICA_LEGEND)],
             ),

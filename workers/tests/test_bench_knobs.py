@@ -268,3 +268,14 @@ def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monk
     assert "flashinfer" not in bench.default_backends("cuda", torch.bfloat16, tiny)
     on_cpu = bench.default_backends("cpu", torch.float32, eight_b)
     assert "torch" in on_cpu and "flashinfer" not in on_cpu
+
+
+def test_bench_prefix_cache_smoke():
+    """The prefix-cache benchmark runs, checks outputs equal with the cache on and off,
+    and the cache-on engine reports every request's shared prefix cached."""
+    cmd = [sys.executable, "benchmarks/bench_prefix_cache.py", "--prefix-len", "64"]
+    cmd += ["--requests", "2", "--new-tokens", "4", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cached prompt tokens 128" in done.stdout  # 2 x 64 (page 16)
+    assert "cached prompt tokens 0" in done.stdout and "cache on vs off" in done.stdout

@@ -36,6 +36,9 @@ from specd.workers.tools.tiny_draft import make_tiny_eagle
 MODEL = "tiny"
 CONTEXT = 2048  # long enough for streams that outlive an actor kill
 GREEDY = {"temperature": 0, "max_tokens": 24}
+# a repeated request may start on its cached prefix: its prefill runs in other shapes,
+# so float32 log-probs round differently (measured up to 1.3e-6)
+CACHED_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,8 @@ def test_stream_matches_non_stream(http, path, body):
     assert choice["finish_reason"] == "length"
     assert full["usage"]["completion_tokens"] == GREEDY["max_tokens"]
     assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + GREEDY["max_tokens"]
-    assert full["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = full["usage"]["prompt_tokens_details"]["cached_tokens"]  # an earlier test's
+    assert 0 <= cached < full["usage"]["prompt_tokens"]
     assert {"spec_verify_steps", "spec_accepted_tokens"} <= set(full["usage"])
 
     events = stream(http, path, {**body, "stream_options": {"include_usage": True}})
@@ -204,7 +208,10 @@ def test_stream_matches_non_stream(http, path, body):
     chunks, usage_chunk = events[:-2], events[-2]
     assert "".join(chunk_text(e) for e in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+    assert usage_chunk["choices"] == []
+    # the prefix cache may hold this prompt now, on the replica that served it
+    drop_cached = lambda usage: {k: v for k, v in usage.items() if k != "prompt_tokens_details"}  # noqa: E731
+    assert drop_cached(usage_chunk["usage"]) == drop_cached(full["usage"])
     assert len({e["id"] for e in events[:-1]}) == 1
     if "messages" in body:
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -358,7 +365,10 @@ def test_completion_logprobs(http):
     chunks = stream(http, "/v1/completions", body)[:-1]
     pieces = [c["choices"][0]["logprobs"] for c in chunks]
     joined = {key: [v for p in pieces for v in p[key]] for key in full}
-    assert joined == full
+    assert joined["tokens"] == full["tokens"] and joined["text_offset"] == full["text_offset"]
+    assert joined["token_logprobs"] == pytest.approx(full["token_logprobs"], abs=CACHED_ATOL)
+    for got, want in zip(joined["top_logprobs"], full["top_logprobs"], strict=True):
+        assert got == pytest.approx(want, abs=CACHED_ATOL)
     assert (
         http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0][
             "logprobs"
@@ -385,13 +395,16 @@ def test_echo_scores_the_prompt(http):
     assert all(v <= 0 for v in lp["token_logprobs"][1:])
     assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
     plain = http.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
-    assert plain["logprobs"]["token_logprobs"] == lp["token_logprobs"][-1:]
+    assert plain["logprobs"]["token_logprobs"] == pytest.approx(
+        lp["token_logprobs"][-1:], abs=CACHED_ATOL
+    )
     assert choice["text"] == prompt + plain["text"]
 
     chunks = stream(http, "/v1/completions", body)[:-1]
     assert "".join(chunk_text(c) for c in chunks) == choice["text"]
     joined = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
-    assert joined == lp["token_logprobs"]
+    assert joined[0] is None
+    assert joined[1:] == pytest.approx(lp["token_logprobs"][1:], abs=CACHED_ATOL)
 
     by_ids = {**body, "prompt": [5, 6, 7], "logprobs": None}
     echoed = http.post("/v1/completions", json=by_ids).json()["choices"][0]
@@ -426,7 +439,10 @@ def test_chat_logprobs_through_the_openai_client(gateway):
         if choice.logprobs is not None
         for entry in choice.logprobs.content
     ]
-    assert streamed == content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    for got, want in zip(streamed, content, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=CACHED_ATOL)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
     plain = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **GREEDY)
     assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(content)
     assert (

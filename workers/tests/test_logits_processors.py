@@ -35,6 +35,7 @@ from specd.workers.testing import (
     collect,
     demo_prompts,
     metric_value,
+    request_held_tokens,
     run_all,
     start_engine,
     start_spec_engine,
@@ -287,7 +288,7 @@ def test_greedy_with_processors_equals_transformers(kind, expected):
             assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
     finally:
         engine.shutdown()
-    assert engine.allocator.used_tokens == 0
+    assert request_held_tokens(engine) == 0
 
 
 @pytest.mark.parametrize("kind", ["plain overlap", "paged tree overlap"])

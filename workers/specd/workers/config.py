@@ -259,6 +259,11 @@ class KVCacheSpec(_Spec):
     mem_fraction: float | None = Field(
         None, gt=0, lt=1, description="Share of free GPU memory for the KV pool"
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep finished requests' KV (whole pages) for later requests that "
+        "start with the same tokens; evicted least recently used when the pool runs dry",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> KVCacheSpec:

@@ -44,7 +44,21 @@ class EngineMetrics:
         self.requests_queued = gauge("specd_requests_queued", "Requests waiting for admission")
         self.kv_tokens_total = gauge("specd_kv_tokens_total", "Token slots in the KV pool")
         self.kv_tokens_used = gauge(
-            "specd_kv_tokens_used", "Token slots held by requests (whole pages)"
+            "specd_kv_tokens_used",
+            "Token slots held by requests and sessions (whole pages; cached prefixes they "
+            "borrow included, evictable ones not)",
+        )
+        self.kv_tokens_cached = gauge(
+            "specd_kv_tokens_cached",
+            "Token slots of the prefix cache (whole pages), borrowed by requests or evictable",
+        )
+        self.prefix_cache_queried = counter(
+            "specd_prefix_cache_queried_tokens",
+            "Tokens of admitted requests looked up in the prefix cache",
+        )
+        self.prefix_cache_hits = counter(
+            "specd_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache (their prefill skipped)",
         )
         self.kv_tokens_reserved = gauge(
             "specd_kv_tokens_reserved",

@@ -41,6 +41,7 @@ from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.leak_check import row_pool_balance, token_pool_balance
+from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.mem_cache.sizing import (
     SpecShape,
@@ -56,7 +57,7 @@ from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
-from specd.workers.scheduler.request import Req
+from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
 from specd.workers.scheduler.sessions import SessionStore, TurnSettling
 from specd.workers.speculative.adaptive import SpecPolicy
@@ -302,7 +303,8 @@ class Engine:
         backend = get_backend(backend_name, self.device.type, dtype)
         self.backend_name = backend_name
         ops = ops_for_backend(backend_name)
-        self.kv = KVManager(self.req_pool, self.allocator, ops)
+        cache = PrefixCache(self.allocator) if spec.kv_cache.prefix_cache else None
+        self.kv = KVManager(self.req_pool, self.allocator, ops, cache)
         self.kv_pool = KVPool(
             cfg.num_hidden_layers,
             num_pages * page,
@@ -503,6 +505,8 @@ class Engine:
         t0 = time.perf_counter()
         retractions_before = self.scheduler.num_retractions
         evictions_before = self.scheduler.num_session_evictions
+        queried_before = self.scheduler.prefix_queried_tokens
+        hits_before = self.scheduler.prefix_hit_tokens
         row_errors_before = self.scheduler.num_row_width_errors
         run = self._overlapped_step if self._pending is not None else self._synchronous_step
         self._idle_checked = False
@@ -513,6 +517,8 @@ class Engine:
             raise
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
         self.metrics.session_evictions.inc(self.scheduler.num_session_evictions - evictions_before)
+        self.metrics.prefix_cache_queried.inc(self.scheduler.prefix_queried_tokens - queried_before)
+        self.metrics.prefix_cache_hits.inc(self.scheduler.prefix_hit_tokens - hits_before)
         for _ in range(self.scheduler.num_row_width_errors - row_errors_before):
             self.metrics.leak_check("req_to_token", "busy", ok=False)
         if self.strict_mem_check:
@@ -763,7 +769,7 @@ class Engine:
         held = [s.kv for s in self.sessions.idle_sessions()]
         problems = []
         for balance in (
-            token_pool_balance(self.allocator, holders, held),
+            token_pool_balance(self.allocator, holders, held, self.kv.cache),
             row_pool_balance(self.req_pool, holders, held),
         ):
             extra = self._consistency_problem(balance.pool, mode) if balance.ok else None
@@ -787,6 +793,11 @@ class Engine:
                 self.sessions.check()
                 if mode == "busy":
                     self.scheduler.check_committed_lengths()
+                elif self.kv.cache is not None and self.kv.cache.num_locked_pages:
+                    return (
+                        f"{self.kv.cache.protected_tokens} prefix-cache slots still borrowed "
+                        "with no request live"
+                    )
         except AssertionError as err:
             return str(err)
         return None
@@ -798,21 +809,33 @@ class Engine:
             self._leak_check("idle")
 
     def _abort_all(self) -> None:
+        """Finish every live request and tell its client.  After an engine failure,
+        freeing a request's KV may fail again (the bookkeeping may be what broke): that
+        is logged, and the client still gets its last delta."""
         for req in self.outputs.live_requests():
-            self.scheduler.finish(req, FinishReason.ABORT if self.healthy else FinishReason.ERROR)
+            reason = FinishReason.ABORT if self.healthy else FinishReason.ERROR
+            try:
+                self.scheduler.finish(req, reason)
+            except Exception:
+                log.exception("engine %s: freeing %s at shutdown failed", self.replica, req.rid)
+                req.status, req.finish_reason = RequestStatus.FINISHED, reason
             if not self.healthy:
                 req.error = self.last_error
             self.outputs.emit(req)
 
     def _refresh_status(self) -> None:
-        s, a = self.scheduler, self.allocator
+        s, a, cache = self.scheduler, self.allocator, self.kv.cache
         queued_tokens = sum(r.tokens_to_compute for r in s.waiting)
         self.metrics.requests_running.set(len(s.running))
         self.metrics.requests_queued.set(len(s.waiting))
-        self.metrics.kv_tokens_used.set(a.used_tokens)
+        evictable = cache.evictable_tokens if cache is not None else 0
+        cached = cache.num_pages * a.page_size if cache is not None else 0
+        used = a.used_tokens - evictable  # what requests and sessions hold
+        self.metrics.kv_tokens_used.set(used)
+        self.metrics.kv_tokens_cached.set(cached)
         reserved = self.kv.reserved_tokens
         self.metrics.kv_tokens_reserved.set(reserved)
-        self.metrics.kv_reserve_ratio.set(reserved / max(a.used_tokens, 1))
+        self.metrics.kv_reserve_ratio.set(reserved / max(used, 1))
         session_tokens = self.sessions.held_tokens()
         self.metrics.sessions_open.set(self.sessions.num_open)
         self.metrics.session_kv_tokens.set(session_tokens)
@@ -826,9 +849,14 @@ class Engine:
             "running": len(s.running),
             "queued": len(s.waiting),
             "queued_tokens": queued_tokens,
-            "kv_used_tokens": a.used_tokens,
+            "kv_used_tokens": used,
+            "kv_cached_tokens": cached,
             "kv_total_tokens": a.total_tokens,
-            "kv_usage": a.used_tokens / a.total_tokens,
+            "kv_usage": used / a.total_tokens,
+            "prefix_cache": {
+                "queried_tokens": s.prefix_queried_tokens,
+                "hit_tokens": s.prefix_hit_tokens,
+            },
             "retractions": s.num_retractions,
             "kv_reserved_tokens": reserved,
             "leak_check_failures": self.metrics.leak_failures,

@@ -5,11 +5,15 @@ request lives in slot ``pages[p // P] * P + p % P``.  ``kv_committed_len`` count
 positions that are really its sequence; ``kv_allocated_len >= kv_committed_len``
 counts positions that have slots (the gap is decode reserve / speculative
 over-allocation).  Frees are rounded up to page boundaries.
+
+With a prefix cache (``prefix_cache.py``) a request may start on borrowed pages: its
+first ``borrowed`` pages belong to the cache (shared, never written), the rest are its
+own.  When it is released its final whole pages go to the cache instead of the pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -17,6 +21,7 @@ import torch
 
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.prefix_cache import CachedPrefix, PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.mem_cache.sizing import ceil_page
 
@@ -29,6 +34,12 @@ class RequestKV:
     pages: list[int] = field(default_factory=list)
     committed: int = 0
     allocated: int = 0
+    prefix: CachedPrefix | None = None  # the cached pages it borrows (``pages``' first)
+
+    @property
+    def borrowed(self) -> int:
+        """Pages at the front of ``pages`` that the prefix cache lends it."""
+        return len(self.prefix) if self.prefix is not None else 0
 
     def assert_lengths(self, width: int) -> None:
         if not 0 <= self.committed <= self.allocated <= width:
@@ -39,8 +50,9 @@ class RequestKV:
 
 
 def held_slots(holders: Iterable[RequestKV], page_size: int) -> int:
-    """Token slots ``holders`` hold: whole pages, ``ceil_page(allocated)`` each."""
-    return sum(ceil_page(kv.allocated, page_size) for kv in holders)
+    """Token slots ``holders`` own: whole pages, ``ceil_page(allocated)`` each, less the
+    pages they borrow from the prefix cache."""
+    return sum(ceil_page(kv.allocated, page_size) - kv.borrowed * page_size for kv in holders)
 
 
 class RowWidthExceeded(RuntimeError):
@@ -64,10 +76,12 @@ class KVManager:
         req_pool: ReqToTokenPool,
         allocator: PagedTokenAllocator,
         ops: KernelOps = TORCH_OPS,
+        cache: PrefixCache | None = None,
     ):
         self.req_pool = req_pool
         self.ops = ops  # writes slots into req_to_token
         self.allocator = allocator
+        self.cache = cache
         self.page_size = allocator.page_size
         self._live: dict[int, RequestKV] = {}  # row -> holder
         # (row, start, slots) writes ``grow`` queued inside ``batched_writes``; None: none open
@@ -97,7 +111,7 @@ class KVManager:
             kv.row = self.req_pool.alloc()
             if kv.row is None:
                 return False
-        pages = self.allocator.alloc_pages(self.pages_needed(kv, new_allocated))
+        pages = self._alloc_pages(self.pages_needed(kv, new_allocated))
         if pages is None:
             if took_row:
                 self.req_pool.free(kv.row)
@@ -107,6 +121,37 @@ class KVManager:
         self._live[kv.row] = kv
         self._write_row(kv, kv.allocated, new_allocated)
         kv.allocated = new_allocated
+        kv.assert_lengths(self.row_width)
+        return True
+
+    def _alloc_pages(self, count: int) -> list[int] | None:
+        """``count`` pages from the pool, evicting cached pages nobody borrows if needed."""
+        pages = self.allocator.alloc_pages(count)
+        if pages is None and self.cache is not None:
+            self.cache.evict(count - self.allocator.num_free_pages)
+            pages = self.allocator.alloc_pages(count)
+        return pages
+
+    @property
+    def available_tokens(self) -> int:
+        """Slots a request could get now: free ones and evictable cached ones."""
+        cached = self.cache.evictable_tokens if self.cache is not None else 0
+        return self.allocator.free_tokens + cached
+
+    def borrow(self, kv: RequestKV, prefix: CachedPrefix) -> bool:
+        """Start ``kv`` (holding nothing yet) on the cached pages of ``prefix``: a row
+        whose first positions point at them, committed.  False if no row is free."""
+        if kv.row is not None or kv.pages:
+            raise AssertionError("only a request holding no KV can borrow a cached prefix")
+        kv.row = self.req_pool.alloc()
+        if kv.row is None:
+            return False
+        self.cache.lock(prefix)
+        kv.prefix = prefix
+        kv.pages = prefix.pages
+        self._live[kv.row] = kv
+        kv.committed = kv.allocated = len(prefix) * self.page_size
+        self._write_row(kv, 0, kv.allocated)
         kv.assert_lengths(self.row_width)
         return True
 
@@ -165,16 +210,29 @@ class KVManager:
     def free_tail(self, kv: RequestKV, keep: int) -> None:
         """Shrink the allocation to ``keep`` positions, freeing whole pages past it."""
         keep_pages = ceil_page(keep, self.page_size) // self.page_size
+        if keep_pages < kv.borrowed:
+            raise AssertionError(f"row {kv.row}: freeing borrowed cache pages")
         self._drop_queued(kv.row, keep)
         self.allocator.free(kv.pages[keep_pages:])
         del kv.pages[keep_pages:]
         kv.allocated = min(kv.allocated, keep)
         kv.committed = min(kv.committed, keep)
 
-    def release(self, kv: RequestKV) -> None:
-        """Free every page and the row; lengths go back to zero."""
-        self.allocator.free(kv.pages)
-        kv.pages.clear()
+    def release(self, kv: RequestKV, final_tokens: Sequence[int] = ()) -> None:
+        """Free every page and the row; lengths go back to zero.  With a prefix cache,
+        ``final_tokens`` (the tokens of ``kv``'s first positions, whose KV is final)
+        keeps their whole pages cached; borrowed pages go back to the cache."""
+        own = kv.pages[kv.borrowed :]
+        if self.cache is not None and len(final_tokens) >= self.page_size:
+            kept = min(len(final_tokens) // self.page_size, len(kv.pages))
+            tokens = final_tokens[: kept * self.page_size]
+            duplicates = self.cache.insert(tokens, kv.pages[:kept])
+            own = duplicates + kv.pages[max(kept, kv.borrowed) :]
+        if kv.prefix is not None:
+            self.cache.unlock(kv.prefix)
+            kv.prefix = None
+        self.allocator.free(own)
+        kv.pages = []
         if kv.row is not None:
             self._drop_queued(kv.row)
             del self._live[kv.row]
@@ -192,15 +250,24 @@ class KVManager:
         return sum(kv.allocated - kv.committed for kv in self._live.values())
 
     def check_integrity(self) -> None:
-        """Pages and rows balance: each owned page belongs to exactly one live request."""
+        """Pages and rows balance: each page in use belongs to exactly one live request
+        or to the prefix cache, and every borrowed page is a cached one."""
         self.allocator.check_integrity()
-        owned = [p for kv in self._live.values() for p in kv.pages]
+        owned = [p for kv in self._live.values() for p in kv.pages[kv.borrowed :]]
+        cached = []
+        if self.cache is not None:
+            self.cache.check_integrity()
+            cached = self.cache.pages()
+            borrowed = {p for kv in self._live.values() for p in kv.pages[: kv.borrowed]}
+            if not borrowed <= set(cached):
+                raise AssertionError("a request borrows a page the prefix cache does not hold")
+        owned += cached
         if len(owned) != len(set(owned)):
-            raise AssertionError("a page is held by two requests")
+            raise AssertionError("a page is held by two requests (or a request and the cache)")
         if len(owned) != self.allocator.num_pages - self.allocator.num_free_pages:
             raise AssertionError(
                 f"leak: {self.allocator.num_pages - self.allocator.num_free_pages} pages in use "
-                f"but live requests hold {len(owned)}"
+                f"but live requests and the prefix cache hold {len(owned)}"
             )
         if len(self._live) + self.req_pool.num_free != self.req_pool.num_rows:
             raise AssertionError(

@@ -4,8 +4,9 @@ Two pools are balanced against what the scheduler and the session store say they
 
 * ``token``: ``free + cached + protected + session_held + requests == total`` where
   ``requests`` is ``ceil_page(allocated)`` summed over live requests (running, waiting
-  with KV, finished but waiting for a step in flight) and ``session_held`` the same over
-  idle sessions.  specd has no prefix cache yet, so cached and protected are 0.
+  with KV, finished but waiting for a step in flight) less the prefix-cache pages they
+  borrow, ``session_held`` the same over idle sessions, ``cached`` the prefix cache's
+  evictable slots and ``protected`` its borrowed ones.
 * ``req_to_token``: ``free rows + request rows + session rows == rows``.
 
 At idle there are no live requests, so the same formulas say "only sessions hold KV".
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import RequestKV, held_slots
+from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 
 
@@ -38,22 +40,21 @@ def token_pool_balance(
     allocator: PagedTokenAllocator,
     requests: Sequence[RequestKV],
     sessions: Sequence[RequestKV],
+    cache: PrefixCache | None = None,
 ) -> PoolBalance:
     held_by_requests = held_slots(requests, allocator.page_size)
     session_held = held_slots(sessions, allocator.page_size)
     breakdown = {
         "total": allocator.total_tokens,
         "free": allocator.free_tokens,
-        "cached": 0,
-        "protected": 0,
+        "cached": cache.evictable_tokens if cache is not None else 0,
+        "protected": cache.protected_tokens if cache is not None else 0,
         "session_held": session_held,
         "requests": held_by_requests,
         "used": allocator.used_tokens,
     }
-    ok = (
-        breakdown["free"] + session_held + held_by_requests == breakdown["total"]
-        and breakdown["used"] == session_held + held_by_requests
-    )
+    in_use = breakdown["cached"] + breakdown["protected"] + session_held + held_by_requests
+    ok = breakdown["free"] + in_use == breakdown["total"] and breakdown["used"] == in_use
     return PoolBalance("token", ok, breakdown)
 
 

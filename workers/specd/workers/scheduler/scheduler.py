@@ -32,6 +32,12 @@ from specd.workers.speculative.accounting import (
 )
 
 
+def final_kv_tokens(req: Req) -> list[int]:
+    """The tokens of ``req``'s positions whose KV is computed and final: every one but
+    the last token (whose KV the next step would write), at most the committed ones."""
+    return req.fill_ids[: min(req.kv.committed, req.num_fill - 1)]
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_running_requests: int
@@ -53,6 +59,8 @@ class Scheduler:
         self.sessions: SessionStore | None = None  # turns of sessions keep their KV there
         self.num_row_width_errors = 0
         self.num_session_evictions = 0  # session KV freed under pressure (tokens kept)
+        self.prefix_queried_tokens = 0  # tokens new requests looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens found (their prefill skipped)
         self.deferred: list[Req] = []  # finished, KV freed once their step in flight ends
 
     # -- queue -------------------------------------------------------------
@@ -95,7 +103,7 @@ class Scheduler:
         if req.session is not None:
             self.sessions.end_turn(req, self.config.context_length)
         else:
-            self.kv.release(req.kv)
+            self.kv.release(req.kv, final_kv_tokens(req))
         self._forget(req)
 
     def kv_holders(self) -> list[Req]:
@@ -236,22 +244,49 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 break
             req = self.waiting[0]
+            borrowed = self._start_on_cached_prefix(req)
             take = min(req.tokens_to_compute, budget)
             # room for its whole remaining prefill (a chunked prefill admitted without it
             # retracts itself, is readmitted, and starves the decodes), keeping each
             # running request's next decode growth free
             headroom = len(self.running) * admission_headroom(self.config.spec, self.kv.page_size)
-            room = self.kv.allocator.free_tokens - headroom
+            room = self.kv.available_tokens - headroom
             if room < req.tokens_to_compute or not self.kv.grow(req.kv, req.kv.committed + take):
+                if borrowed:  # hold nothing while waiting; the next try matches again
+                    self.kv.release(req.kv)
                 if self._reclaim_session_kv(req.tokens_to_compute + headroom):
                     continue  # ``take`` may have grown: the turn prefills its history again
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._count_cache_lookup(req, borrowed)
             admitted.append((req, take))
             budget -= take
         return admitted
+
+    def _start_on_cached_prefix(self, req: Req) -> int | None:
+        """Let ``req`` (holding no KV) borrow the longest cached prefix of its tokens, all
+        but the last (whose row gives the next token's logits) -> tokens borrowed, or
+        None where the cache does not apply: session turns (their history is their KV)
+        and prompt scoring (it needs every prompt row)."""
+        cache = self.kv.cache
+        if cache is None or req.kv.row is not None or req.session is not None:
+            return None
+        if req.params.prompt_logprobs is not None:
+            return None
+        prefix = cache.match(req.fill_ids[: req.num_fill - 1])
+        if not prefix or not self.kv.borrow(req.kv, prefix):
+            return 0
+        return req.kv.committed
+
+    def _count_cache_lookup(self, req: Req, borrowed: int | None) -> None:
+        """A request admitted for the first time: its lookup in the usage and metrics."""
+        if borrowed is None or req.num_retractions:
+            return
+        self.prefix_queried_tokens += req.num_fill - 1
+        self.prefix_hit_tokens += borrowed
+        req.cached_tokens = min(borrowed, len(req.prompt_ids))
 
     def _grow_or_retract(self, req: Req, new_allocated: int) -> bool:
         """Allocate up to ``new_allocated`` for ``req``, retracting newer requests if the
@@ -274,12 +309,12 @@ class Scheduler:
         there was nothing to free."""
         freed = False
         for req in reversed(self._waiting_with_kv()):
-            if self.kv.allocator.free_tokens >= tokens:
+            if self.kv.available_tokens >= tokens:
                 return freed
             self.kv.release(req.kv)
             self.num_session_evictions += 1
             freed = True
-        while self.kv.allocator.free_tokens < tokens and self.sessions is not None:
+        while self.kv.available_tokens < tokens and self.sessions is not None:
             if not self.sessions.evict_lru():
                 break
             self.num_session_evictions += 1
@@ -291,7 +326,9 @@ class Scheduler:
         if req.inflight_steps:
             raise RuntimeError(f"request {req.rid} retracted while a step is in flight")
         self.running.remove(req)
-        self.kv.release(req.kv)  # a session turn's history KV too: re-prefill rebuilds it
+        # a session turn's history KV too (re-prefill rebuilds it); a request's own
+        # final pages stay cached, so its re-prefill may find them unless evicted
+        self.kv.release(req.kv, final_kv_tokens(req) if req.session is None else ())
         self._forget(req)  # and the draft state
         req.status = RequestStatus.WAITING
         req.num_retractions += 1

@@ -1,0 +1,111 @@
+"""The prefix cache on a shared system prompt: specd with ``kvCache.prefixCache`` on vs
+off, in one process, interleaved repeats, medians printed as ratios.
+
+Each round sends ``--requests`` prompts at once, all opening with the same
+``--prefix-len`` tokens and ending with ``--suffix-len`` of their own, greedy, fixed
+output length; the cache-on engine has served one request with the prefix before
+(a warm system prompt).  Outputs must be identical with the cache on and off.
+
+    python benchmarks/bench_prefix_cache.py [--target examples/models/demo-target]
+        [--prefix-len 768] [--suffix-len 16] [--requests 8] [--new-tokens 16]
+        [--draft examples/models/demo-eagle]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from specd.workers.engine.types import GenerateRequest, SamplingParams
+from specd.workers.testing import DEMO_TARGET, demo_prompts, start_engine
+
+
+async def _timed(engine, rid: str, prompt: list[int], new_tokens: int):
+    """-> (tokens, seconds to the first token, cached prompt tokens)."""
+    start, first, tokens, last = time.perf_counter(), None, [], None
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params)):
+        if first is None and delta.token_ids:
+            first = time.perf_counter() - start
+        tokens += delta.token_ids
+        last = delta
+    return tokens, first, last.usage.cached_tokens
+
+
+def run_round(engine, prompts, new_tokens: int, tag: str):
+    async def go():
+        return await asyncio.gather(
+            *(_timed(engine, f"{tag}{i}", p, new_tokens) for i, p in enumerate(prompts))
+        )
+
+    start = time.perf_counter()
+    results = asyncio.run(go())
+    return results, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=DEMO_TARGET)
+    ap.add_argument("--draft", help="an EAGLE draft folder: speculative engines")
+    ap.add_argument("--prefix-len", type=int, default=768)
+    ap.add_argument("--suffix-len", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    text = demo_prompts(1, args.prefix_len + args.requests * args.suffix_len)[0]
+    prefix, rest = text[: args.prefix_len], text[args.prefix_len :]
+    prompts = [
+        prefix + rest[i * args.suffix_len : (i + 1) * args.suffix_len] for i in range(args.requests)
+    ]
+    spec = {"kvCache": {"pageSize": args.page_size}, "maxRunningRequests": args.requests}
+    if args.draft:
+        spec["draft"] = {"path": args.draft}
+        spec["speculative"] = {"numSteps": 3, "topk": 1, "numDraftTokens": 4}
+    engines = {
+        "cache off": start_engine(
+            args.target, **{**spec, "kvCache": {**spec["kvCache"], "prefixCache": False}}
+        ),
+        "cache on": start_engine(args.target, **spec),
+    }
+    try:
+        warm = prefix + rest[-args.suffix_len :]
+        for engine in engines.values():
+            run_round(engine, [warm], args.new_tokens, "warm")
+        ttft = {name: [] for name in engines}
+        wall = {name: [] for name in engines}
+        outputs, cached = {}, {}
+        for r in range(args.repeats):
+            for name, engine in engines.items():
+                results, seconds = run_round(engine, prompts, args.new_tokens, f"r{r}-")
+                outputs[name] = [t for t, _, _ in results]
+                cached[name] = sum(c for _, _, c in results)
+                ttft[name].append(statistics.mean(f for _, f, _ in results))
+                wall[name].append(seconds)
+        assert outputs["cache on"] == outputs["cache off"], "outputs differ with the cache"
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+    print(
+        f"{args.requests} requests, shared prefix {args.prefix_len} + {args.suffix_len} own "
+        f"tokens, {args.new_tokens} new, page {args.page_size}"
+        + (", speculative" if args.draft else "")
+    )
+    for name in engines:
+        print(
+            f"  {name:9s}  mean TTFT {statistics.median(ttft[name]) * 1e3:7.1f} ms   "
+            f"round {statistics.median(wall[name]) * 1e3:7.1f} ms   "
+            f"cached prompt tokens {cached[name]}"
+        )
+    off, on = (statistics.median(ttft[n]) for n in engines)
+    woff, won = (statistics.median(wall[n]) for n in engines)
+    print(f"  cache on vs off: TTFT {off / on:.2f}x faster, round {woff / won:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

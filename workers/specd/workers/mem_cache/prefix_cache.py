@@ -1,0 +1,165 @@
+"""Prefix cache: the KV of finished requests, kept in a trie of whole pages and lent to
+later requests whose tokens start the same way (SGLang's radix cache, at the page
+granularity of vLLM's block hashing).
+
+Each node holds one full page: its ``page_size`` tokens are the edge from its parent,
+and its KV is that of those tokens after everything above it, so a path from the root
+is a prefix.  A request that starts on a cached prefix borrows the path's pages
+(``lock``: they cannot be evicted while it runs) and computes from the first token
+after it; when it ends, its own whole pages of final KV are inserted (``insert``;
+pages the trie already has come back to be freed).  Pages nobody borrows are
+``evictable``; ``evict`` frees the least recently used leaves when the pool runs dry.
+
+Only the target's KV is exact for a lent page.  A speculative engine's draft KV at a
+prefix's last position was made with the next token of the request that inserted it;
+a new request whose next token differs drafts from it slightly worse, never wrongly
+(verify decides every token).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    key: tuple[int, ...]  # the page's tokens (empty at the root)
+    page: int
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    lock_ref: int = 0  # requests borrowing this page (and every page below it they use)
+    last_used: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """A path of cached pages from the root, as ``match`` found it."""
+
+    nodes: tuple[_Node, ...] = ()
+
+    @property
+    def pages(self) -> list[int]:
+        return [node.page for node in self.nodes]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+class PrefixCache:
+    def __init__(self, allocator: PagedTokenAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._root = _Node((), -1, None)
+        self._clock = itertools.count(1)
+        self.num_pages = 0  # pages the trie holds
+        self.num_locked_pages = 0  # of those, pages some request borrows
+
+    @property
+    def evictable_tokens(self) -> int:
+        return (self.num_pages - self.num_locked_pages) * self.page_size
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.num_locked_pages * self.page_size
+
+    def _keys(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
+        """``tokens`` cut into whole pages (a partial last page is dropped)."""
+        p = self.page_size
+        return [tuple(tokens[i : i + p]) for i in range(0, len(tokens) - p + 1, p)]
+
+    def match(self, tokens: Sequence[int]) -> CachedPrefix:
+        """The longest cached path of whole pages that ``tokens`` starts with."""
+        node, path, now = self._root, [], next(self._clock)
+        for key in self._keys(tokens):
+            node = node.children.get(key)
+            if node is None:
+                break
+            node.last_used = now
+            path.append(node)
+        return CachedPrefix(tuple(path))
+
+    def lock(self, prefix: CachedPrefix) -> None:
+        for node in prefix.nodes:
+            node.lock_ref += 1
+            self.num_locked_pages += node.lock_ref == 1
+
+    def unlock(self, prefix: CachedPrefix) -> None:
+        for node in prefix.nodes:
+            if node.lock_ref <= 0:
+                raise AssertionError(f"page {node.page} unlocked more often than locked")
+            node.lock_ref -= 1
+            self.num_locked_pages -= node.lock_ref == 0
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Keep ``pages`` (the KV of ``tokens``, one page per ``page_size`` tokens) ->
+        the pages not kept, because the trie holds those tokens in another page already
+        (the caller frees them)."""
+        keys = self._keys(tokens)
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(pages)} pages for {len(tokens)} tokens")
+        node, now, duplicates = self._root, next(self._clock), []
+        for key, page in zip(keys, pages, strict=True):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key, page, node)
+                node.children[key] = child
+                self.num_pages += 1
+            elif child.page != page:
+                duplicates.append(page)
+            child.last_used = now
+            node = child
+        return duplicates
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages, least recently used leaves first (a parent
+        becomes a leaf once its children are gone); borrowed pages stay -> freed."""
+        leaves = [
+            (n.last_used, id(n), n) for n in self._nodes() if not n.children and not n.lock_ref
+        ]
+        heapq.heapify(leaves)
+        freed = []
+        while leaves and len(freed) < num_pages:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            del parent.children[node.key]
+            freed.append(node.page)
+            self.num_pages -= 1
+            if parent is not self._root and not parent.children and not parent.lock_ref:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        self.allocator.free(freed)
+        return len(freed)
+
+    def pages(self) -> list[int]:
+        """Every page the trie holds."""
+        return [n.page for n in self._nodes()]
+
+    def _nodes(self):
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def check_integrity(self) -> None:
+        """The counters match the trie, no page is in it twice, and a borrowed page's
+        parent is borrowed at least as often (requests borrow whole paths)."""
+        nodes = list(self._nodes())
+        pages = [n.page for n in nodes]
+        if len(pages) != len(set(pages)) or len(pages) != self.num_pages:
+            raise AssertionError(
+                f"prefix cache: {len(pages)} nodes, {len(set(pages))} distinct pages, "
+                f"counted {self.num_pages}"
+            )
+        locked = sum(1 for n in nodes if n.lock_ref)
+        if locked != self.num_locked_pages:
+            raise AssertionError(
+                f"prefix cache: {locked} borrowed pages, counted {self.num_locked_pages}"
+            )
+        for n in nodes:
+            if n.parent is not self._root and n.parent.lock_ref < n.lock_ref:
+                raise AssertionError(f"prefix cache: page {n.page} borrowed without its parent")
