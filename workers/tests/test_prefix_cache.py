@@ -128,6 +128,31 @@ def test_a_released_request_leaves_its_final_pages_to_the_next_one():
     m.check_integrity()
 
 
+def test_a_running_request_shares_its_prefill_and_adopts_an_equal_cached_copy():
+    """After a prefill, a request's final pages go to the cache while it runs; a second
+    request that computed the same tokens meanwhile is pointed at the cached pages and
+    its own copies are freed."""
+    m = manager_with_cache(pages=10)
+    tokens = [7, 7, 8, 8, 9, 9, 5]
+    a, b = RequestKV(), RequestKV()
+    for kv in (a, b):
+        m.grow(kv, 7)
+        kv.committed = 7
+    m.share_computed(a, tokens[:6])
+    assert a.borrowed == 3 and m.cache.protected_tokens == 6
+    own_b = list(b.pages[:3])
+    m.share_computed(b, tokens[:6])
+    assert b.pages[:3] == a.pages[:3] and b.borrowed == 3
+    assert m.slots(b, 0, 6).tolist() == m.slots(a, 0, 6).tolist()
+    assert not set(own_b) & set(m.allocator._owned)  # its copies went back to the pool
+    assert balance(m, a, b).ok
+    m.check_integrity()
+    m.release(a, tokens[:6])
+    m.release(b, tokens[:6])
+    assert m.cache.num_pages == 3 and m.allocator.used_tokens == 6 and balance(m).ok
+    m.check_integrity()
+
+
 def test_growing_evicts_cached_pages_when_the_pool_is_dry():
     m = manager_with_cache(pages=4)
     old = RequestKV()
@@ -187,15 +212,6 @@ ENGINES = {
 }
 
 
-async def _usage(engine, rid, prompt):
-    last = None
-    async for delta in engine.generate(
-        GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    ):
-        last = delta
-    return last.usage
-
-
 @pytest.mark.parametrize("kind", ENGINES)
 def test_shared_prefixes_hit_the_cache_and_stay_exact(kind, shared_prefix_prompts):
     """One request alone, then all four at once, then all four again: later requests
@@ -231,7 +247,7 @@ def test_a_small_pool_evicts_the_cache_and_stays_exact(shared_prefix_prompts):
     and requests retract, with output still the peer's and no page lost."""
     prompts, expected = shared_prefix_prompts
     engine = start_engine(
-        DEMO_TARGET, kvCache={"pageSize": 4, "maxTokens": 160}, debug={"strictMemCheck": 1}
+        DEMO_TARGET, kvCache={"pageSize": 4, "maxTokens": 112}, debug={"strictMemCheck": 1}
     )
     try:
         for _ in range(3):
@@ -279,8 +295,8 @@ def test_a_repeated_prompt_finds_all_but_its_last_token(shared_prefix_prompts):
     engine = start_engine(DEMO_TARGET)
 
     async def go():
-        one = await _usage(engine, "a", prompts[0])
-        two = await _usage(engine, "b", prompts[0])
+        _, one = await _collect(engine, "a", prompts[0])
+        _, two = await _collect(engine, "b", prompts[0])
         return one, two
 
     try:
@@ -312,3 +328,41 @@ def test_the_next_turn_of_a_conversation_finds_the_last_answer(kind, shared_pref
         assert engine.status()["healthy"], engine.status()["last_error"]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["plain P4 overlap", "chain P1"])
+def test_a_request_starts_on_the_prefill_of_one_still_running(kind, shared_prefix_prompts):
+    """The cache takes a request's prompt pages once its prefill is done: a request
+    arriving while the first still decodes starts on them."""
+    prompts, expected = shared_prefix_prompts
+    engine = ENGINES[kind]()
+    page = engine.allocator.page_size
+    long = SamplingParams(max_tokens=10 * NEW_TOKENS, ignore_eos=True)
+
+    async def go():
+        first = engine.generate(GenerateRequest("a", tuple(prompts[0]), long))
+        tokens = list((await anext(first)).token_ids)  # its prefill is done
+        second = asyncio.create_task(_collect(engine, "b", prompts[1]))
+        async for delta in first:
+            tokens += delta.token_ids
+            if second.done():
+                break  # (leaving aborts it)
+        assert second.done(), "the first request ended before the second: nothing shown"
+        return tokens, second.result()
+
+    try:
+        tokens, (second_tokens, usage) = asyncio.run(go())
+        assert engine.status()["healthy"], engine.status()["last_error"]
+    finally:
+        engine.shutdown()
+    assert [tokens[:NEW_TOKENS], second_tokens] == expected[:2]
+    assert usage.cached_tokens == 37 // page * page
+
+
+async def _collect(engine, rid, prompt):
+    tokens, last = [], None
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params)):
+        tokens += delta.token_ids
+        last = delta
+    return tokens, last.usage

@@ -155,6 +155,30 @@ class KVManager:
         kv.assert_lengths(self.row_width)
         return True
 
+    def share_computed(self, kv: RequestKV, final_tokens: Sequence[int]) -> None:
+        """Put ``kv``'s whole pages of final KV (``final_tokens``, as for ``release``)
+        in the prefix cache while it still runs, and borrow them back, so requests
+        admitted from now on can start on them.  Where the cache holds those tokens in
+        another page already (another request computed them too), the row is pointed
+        at the cached page and the own copy is freed."""
+        count = min(len(final_tokens) // self.page_size, len(kv.pages))
+        if self.cache is None or count <= kv.borrowed:
+            return
+        tokens = final_tokens[: count * self.page_size]
+        self.cache.insert(tokens, kv.pages[:count])
+        prefix = self.cache.match(tokens)
+        self.cache.lock(prefix)
+        if kv.prefix is not None:
+            self.cache.unlock(kv.prefix)
+        replaced = [i for i in range(kv.borrowed, count) if kv.pages[i] != prefix.pages[i]]
+        duplicates = [kv.pages[i] for i in replaced]
+        kv.prefix = prefix
+        kv.pages[:count] = prefix.pages
+        page = self.page_size
+        for i in replaced:
+            self._write_row(kv, i * page, (i + 1) * page)
+        self.allocator.free(duplicates)
+
     @contextmanager
     def batched_writes(self) -> Iterator[None]:
         """Inside, ``grow`` queues its ``req_to_token`` writes and they go out as one op at

@@ -349,6 +349,8 @@ class Scheduler:
             req.kv.committed += extend
             req.kv.assert_lengths(self.kv.row_width)
             req.prompt_logprobs.extend(prompt_logprobs)
+            if extend > 1 and req.session is None:  # a prefill chunk: share its pages now
+                self.kv.share_computed(req.kv, final_kv_tokens(req))
         updated = []
         reqs = batch.sampled_reqs
         logprobs = result.logprobs or (None,) * len(reqs)
