@@ -25,11 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.types import SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
+from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
-# the sampling fields a deployment's defaults fill when a request leaves them out
-DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 FinishReasonName = Literal["stop", "length"]
 
@@ -152,7 +151,7 @@ class _GenerationRequest(_Lenient):
     ) -> SamplingParams:
         """The engine's parameters; ``defaults`` (the deployment's sampling defaults)
         fill the sampling fields this request left out."""
-        chosen = {key: getattr(self, key) for key in DEFAULTABLE_SAMPLING_FIELDS}
+        chosen = {key: getattr(self, key) for key in GENERATION_SAMPLING_KEYS}
         for key, value in (defaults or {}).items():
             if key in chosen and key not in self.model_fields_set:
                 chosen[key] = value

@@ -28,6 +28,7 @@ import torch
 from specd.kernels.ops import host_tensor
 from specd.workers.engine.types import InvalidRequest, SamplingParams
 from specd.workers.scheduler.request import Req
+from specd.workers.scheduler.stop import stop_token_ids
 
 
 @dataclass(slots=True, eq=False)
@@ -73,14 +74,6 @@ def check_processor_params(params: SamplingParams, vocab: int) -> None:
             raise InvalidRequest(f"logit_bias: bias {bias} of token {token} is not in [-100, 100]")
     if len({token for token, _ in params.logit_bias}) != len(params.logit_bias):
         raise InvalidRequest("logit_bias: a token id is listed twice")
-
-
-def held_back_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
-    """The ids ``min_tokens`` holds back: the stop token ids, and EOS unless ignored."""
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(eos_token_ids)
-    return sorted(ids)
 
 
 def path_counts(tree_mask: torch.Tensor, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -144,7 +137,7 @@ class LogitsProcessors:
             if p.repetition_penalty != 1.0:
                 seen = torch.zeros(vocab, dtype=torch.bool, device=device)
                 seen[host_tensor(req.prompt_ids, device)] = True
-            held = [i for i in held_back_ids(p, self.eos_token_ids) if i < vocab]
+            held = [i for i in stop_token_ids(p, self.eos_token_ids) if i < vocab]  # min_tokens
             bias_ids = bias_values = None
             if p.logit_bias:
                 bias_ids = host_tensor([t for t, _ in p.logit_bias], device)

@@ -161,9 +161,18 @@ class KVManager:
         admitted from now on can start on them.  Where the cache holds those tokens in
         another page already (another request computed them too), the row is pointed
         at the cached page and the own copy is freed."""
+        page = self.page_size
+        for i in self._cache_final_pages(kv, final_tokens):
+            self._write_row(kv, i * page, (i + 1) * page)
+
+    def _cache_final_pages(self, kv: RequestKV, final_tokens: Sequence[int]) -> list[int]:
+        """Insert ``kv``'s whole pages of ``final_tokens`` into the prefix cache and borrow
+        the cached path back (``kv.pages`` now lists the cache's pages) -> the indices of
+        pages the cache held another copy of: that own copy is freed, the row not yet
+        pointed at the cached one."""
         count = min(len(final_tokens) // self.page_size, len(kv.pages))
         if self.cache is None or count <= kv.borrowed:
-            return
+            return []
         tokens = final_tokens[: count * self.page_size]
         self.cache.insert(tokens, kv.pages[:count])
         prefix = self.cache.match(tokens)
@@ -171,13 +180,10 @@ class KVManager:
         if kv.prefix is not None:
             self.cache.unlock(kv.prefix)
         replaced = [i for i in range(kv.borrowed, count) if kv.pages[i] != prefix.pages[i]]
-        duplicates = [kv.pages[i] for i in replaced]
+        self.allocator.free([kv.pages[i] for i in replaced])
         kv.prefix = prefix
         kv.pages[:count] = prefix.pages
-        page = self.page_size
-        for i in replaced:
-            self._write_row(kv, i * page, (i + 1) * page)
-        self.allocator.free(duplicates)
+        return replaced
 
     @contextmanager
     def batched_writes(self) -> Iterator[None]:
@@ -246,16 +252,11 @@ class KVManager:
         """Free every page and the row; lengths go back to zero.  With a prefix cache,
         ``final_tokens`` (the tokens of ``kv``'s first positions, whose KV is final)
         keeps their whole pages cached; borrowed pages go back to the cache."""
-        own = kv.pages[kv.borrowed :]
-        if self.cache is not None and len(final_tokens) >= self.page_size:
-            kept = min(len(final_tokens) // self.page_size, len(kv.pages))
-            tokens = final_tokens[: kept * self.page_size]
-            duplicates = self.cache.insert(tokens, kv.pages[:kept])
-            own = duplicates + kv.pages[max(kept, kv.borrowed) :]
+        self._cache_final_pages(kv, final_tokens)  # the row is freed: no repointing
+        self.allocator.free(kv.pages[kv.borrowed :])
         if kv.prefix is not None:
             self.cache.unlock(kv.prefix)
             kv.prefix = None
-        self.allocator.free(own)
         kv.pages = []
         if kv.row is not None:
             self._drop_queued(kv.row)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-from specd.workers.engine.types import FinishReason
+from collections.abc import Iterable
+
+from specd.workers.engine.types import FinishReason, SamplingParams
 from specd.workers.scheduler.request import Req
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> list[int]:
+    """The token ids that end ``params``' output (``check_stop``'s token rule): its stop
+    token ids, and EOS unless ``ignore_eos``."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return sorted(ids)
 
 
 def check_stop(req: Req, eos_token_ids: frozenset[int], context_length: int) -> FinishReason | None:
