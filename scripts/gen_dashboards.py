@@ -267,6 +267,14 @@ def speculative() -> dict:
                 "(their prefill skipped)",
             ),
             panel(
+                "Gateway routing: prompts/s by replica and reason",
+                [rate_per_replica_by("specd_gateway_routed_requests_total", "reason")],
+                unit="reqps",
+                description="Why the gateway chose each prompt's replica: prefix (the longest "
+                "predicted prefix-cache hit), load (least loaded), balance (the cached "
+                "replica was too busy; spec.routing)",
+            ),
+            panel(
                 "Session-held KV tokens",
                 [(per_replica("specd_session_kv_tokens"), REPLICA_LEGEND)],
             ),

@@ -87,5 +87,6 @@ def gateway_doc(
         "kv_usage": max((a["load"]["kv_usage"] for a in ready), default=0.0),
         "released": False,
         "actors": actors,
+        "routing": {"policy": spec.routing.policy, "routed": {}, "predicted_hit_tokens": 0},
         "events": events or [],
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -279,3 +280,15 @@ def test_bench_prefix_cache_smoke():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cached prompt tokens 128" in done.stdout  # 2 x 64 (page 16)
     assert "cached prompt tokens 0" in done.stdout and "cache on vs off" in done.stdout
+
+
+def test_bench_routing_smoke():
+    """The routing benchmark serves both policies over HTTP from one pool; cache-aware
+    routing finds the groups' prefixes cached (the first request of a group cannot)."""
+    cmd = [sys.executable, "benchmarks/bench_routing.py", "--groups", "2", "--prefix-len", "64"]
+    cmd += ["--requests", "6", "--clients", "2", "--new-tokens", "2", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    hits = dict(re.findall(r"(cacheAware|leastLoad) +prefix-cache hits +([0-9.]+)%", done.stdout))
+    assert set(hits) == {"cacheAware", "leastLoad"}, done.stdout
+    assert float(hits["cacheAware"]) > 0 and "cacheAware vs leastLoad" in done.stdout

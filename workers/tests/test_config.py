@@ -50,6 +50,16 @@ def test_defaults():
             {"scheduler": {"chunkSize": 8}}, "spec.scheduler.chunkSize: unknown field", id="unknown"
         ),
         pytest.param(
+            {"routing": {"policy": "random"}},
+            "spec.routing.policy: Input should be 'cacheAware' or 'leastLoad'",
+            id="routing-policy",
+        ),
+        pytest.param(
+            {"routing": {"balanceRelThreshold": 0.5}},
+            "spec.routing.balanceRelThreshold: Input should be greater than or equal to 1",
+            id="routing-balance",
+        ),
+        pytest.param(
             {"draft": {"path": "d"}, "speculative": {"numSteps": 3, "numDraftTokens": 5}},
             "spec.speculative: Value error, numDraftTokens must be numSteps + 1 = 4",
             id="chain-tokens",
@@ -177,9 +187,12 @@ def test_relative_paths_resolve_against_the_file(tmp_path):
     assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
 
 
-def test_config_hash_ignores_replicas_only():
+def test_config_hash_ignores_replicas_and_routing_only():
+    """Neither changes what a replica runs: scaling or re-routing rolls no replica."""
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
+    routed = doc(routing={"policy": "leastLoad", "cacheThreshold": 0.9})
+    assert a.config_hash() == parse_deployment(routed).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
 
 

@@ -604,6 +604,52 @@ def test_metrics_merge_every_replica(http, gateway):
     assert states["ready"] == 2
 
 
+def test_cache_aware_routing_follows_the_cached_prefix(http, gateway):
+    """A prompt goes to the replica holding its prefix even while that replica is the
+    busier one (a least-load router would pick the idle one, which never saw it)."""
+    pool = gateway.pool
+    before = pool.routed_by_reason()
+    shared = [(7 * i) % 300 + 20 for i in range(96)]
+
+    def ask(tail: list[int], **extra) -> dict:
+        body = {"model": MODEL, "prompt": [*shared, *tail], **GREEDY, "max_tokens": 4, **extra}
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]
+
+    assert ask([1, 2])["prompt_tokens_details"]["cached_tokens"] == 0  # nobody has it yet
+    out: dict = {}
+    body = {"prompt": [*shared, 3], "max_tokens": 400, "stream_options": {"include_usage": True}}
+    busy = threading.Thread(target=_long_stream, args=(gateway.url, out, "x", body), daemon=True)
+    busy.start()
+    _wait_for(lambda: out.get("x:started"), 30, "the long stream to start")
+    assert sorted(r.inflight for r in pool.ready()) == [0, 1]
+    assert ask([4, 5])["prompt_tokens_details"]["cached_tokens"] >= 80  # same replica
+    busy.join(timeout=120)
+    usage = out["x"][-2]["usage"]  # the stream too had gone where the prefix was
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 80, usage
+    assert pool.routed_by_reason()["prefix"] - before.get("prefix", 0) == 2
+    routing = http.get("/admin/status").json()["routing"]
+    assert routing["policy"] == "cacheAware" and routing["routed"]["prefix"] >= 2
+    routed = metric_families(http)["specd_gateway_routed_requests"].samples
+    assert {s.labels["reason"] for s in routed} >= {"prefix", "load"}
+    assert {s.labels["replica"] for s in routed} <= {r.name for r in pool.ready()}
+
+
+def test_a_routing_change_applies_without_rolling_a_replica(http, gateway):
+    pool = gateway.pool
+    old, names = pool.spec, {r.name for r in pool.ready()}
+    new = old.model_copy(update={"routing": old.routing.model_copy(update={"policy": "leastLoad"})})
+    try:
+        in_loop(gateway, pool.update_spec, new)
+        assert http.get("/admin/status").json()["routing"]["policy"] == "leastLoad"
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **GREEDY})
+        assert reply.status_code == 200
+        assert pool.converged() and {r.name for r in pool.ready()} == names  # nothing rolled
+    finally:
+        in_loop(gateway, pool.update_spec, old)
+
+
 def aborts(http) -> float:
     return sum(s.value for s in metric_families(http)["specd_aborts"].samples)
 
@@ -727,8 +773,9 @@ def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
 # -- failures and updates (slow) ----------------------------------------------------------
 
 
-def _long_stream(url: str, out: dict, key: str) -> None:
-    """Stream a long greedy completion; record the parsed events (or the exception)."""
+def _long_stream(url: str, out: dict, key: str, extra: dict | None = None) -> None:
+    """Stream a long greedy completion (``extra``: fields of the body to change); record
+    the parsed events (or the exception)."""
     body = {
         "model": MODEL,
         "prompt": f"Stream {key}",
@@ -736,6 +783,7 @@ def _long_stream(url: str, out: dict, key: str) -> None:
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        **(extra or {}),
     }
     try:
         with (

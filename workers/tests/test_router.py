@@ -1,14 +1,16 @@
-"""Replica routing (`router.pick_replica`, also ``for_session``) and session ids as
-tables.  No Ray cluster, no HTTP."""
+"""Replica routing (`router.pick_replica`, also ``for_session``; cache-aware
+`router.pick_for_prompt`) and session ids as tables.  No Ray cluster, no HTTP."""
 
 from __future__ import annotations
 
 import pytest
 
+from specd.workers.config import RoutingSpec
 from specd.workers.pool import actor_name, replica_of_actor
 from specd.workers.router import (
     ReplicaLoad,
     parse_session_token,
+    pick_for_prompt,
     pick_replica,
     session_token,
 )
@@ -58,6 +60,52 @@ SESSION_ROUTING = {
 def test_pick_session_replica(replicas, expected):
     assert pick_replica(replicas, for_session=True) == expected
     assert pick_replica(reversed(replicas), for_session=True) == expected
+
+
+RULE = RoutingSpec(cache_threshold=0.3, balance_abs_threshold=8, balance_rel_threshold=1.5)
+PROMPT = 100  # tokens
+PROMPT_ROUTING = {
+    "no replica": ([], None),
+    "the longest hit wins": (
+        [L("r0", predicted_hit=48), L("r1", predicted_hit=96, inflight=3)],
+        ("r1", "prefix"),
+    ),
+    "a hit under the threshold is ignored": (
+        [L("r0", inflight=1, predicted_hit=29), L("r1")],
+        ("r1", "load"),
+    ),
+    "exactly the threshold counts": (
+        [L("r0", inflight=2, predicted_hit=30), L("r1")],
+        ("r0", "prefix"),
+    ),
+    "no hit: least loaded": ([L("r0", inflight=1), L("r1", inflight=2)], ("r0", "load")),
+    "no hit, load tie: the least cache credited": (
+        [L("r0", tracked_tokens=512), L("r1", tracked_tokens=64)],
+        ("r1", "load"),
+    ),
+    "equal hits: the less loaded": (
+        [L("r0", inflight=3, predicted_hit=64), L("r1", inflight=1, predicted_hit=64)],
+        ("r1", "prefix"),
+    ),
+    "too busy on both thresholds": (
+        [L("r0", inflight=13, predicted_hit=96), L("r1", inflight=4)],
+        ("r1", "balance"),
+    ),
+    "absolute gap but not relative": (
+        [L("r0", inflight=30, predicted_hit=96), L("r1", inflight=21)],
+        ("r0", "prefix"),
+    ),
+    "relative gap but not absolute": (
+        [L("r0", inflight=8, predicted_hit=96), L("r1", inflight=0)],
+        ("r0", "prefix"),
+    ),
+}
+
+
+@pytest.mark.parametrize("replicas,expected", PROMPT_ROUTING.values(), ids=PROMPT_ROUTING.keys())
+def test_pick_for_prompt(replicas, expected):
+    assert pick_for_prompt(replicas, PROMPT, RULE) == expected
+    assert pick_for_prompt(reversed(replicas), PROMPT, RULE) == expected
 
 
 @pytest.mark.parametrize("deployment", ["chat", "my.model-v2"])

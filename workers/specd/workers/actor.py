@@ -107,6 +107,7 @@ class EngineActor:
             "context_length": self._engine.context_length,
             "sampling_defaults": self._engine.sampling_defaults,
             "device": str(self._engine.device),
+            "prefix_cache": self._engine.prefix_cache_shape(),
         }
 
     async def status(self) -> dict[str, Any]:

@@ -288,6 +288,36 @@ class CudaGraphSpec(_Spec):
     )
 
 
+class RoutingSpec(_Spec):
+    """Gateway-only: which ready replica gets a request (not part of the config hash, so
+    a change applies at once and rolls no replica)."""
+
+    policy: Literal["cacheAware", "leastLoad"] = Field(
+        "cacheAware",
+        description="cacheAware: send a prompt to the replica predicted to hold the "
+        "longest cached prefix of it, unless that replica is too busy; leastLoad: the "
+        "least-loaded replica always",
+    )
+    cache_threshold: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="cacheAware: the least share of a prompt predicted cached on a replica "
+        "for that replica to be preferred",
+    )
+    balance_abs_threshold: int = Field(
+        16,
+        ge=0,
+        description="cacheAware: the cached replica is skipped for the least-loaded one when "
+        "it has more than this many more open requests ...",
+    )
+    balance_rel_threshold: float = Field(
+        1.5,
+        ge=1,
+        description="... and more than this many times as many",
+    )
+
+
 class ResourcesSpec(_Spec):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
@@ -389,6 +419,7 @@ class DeploymentSpec(_Spec):
     max_running_requests: int = Field(64, ge=1, le=4096)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
@@ -419,8 +450,9 @@ class DeploymentSpec(_Spec):
         return self.model.name or Path(self.model.path).name
 
     def config_hash(self) -> str:
-        """Hash of everything an engine replica is built from (not `replicas`)."""
-        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas"})
+        """Hash of everything an engine replica is built from (not `replicas`, not
+        the gateway's `routing`)."""
+        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas", "routing"})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -442,14 +442,14 @@ class _Api:
         )
 
     async def deltas(self, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
-        """``req``'s deltas from the least-loaded replica; errors arrive as error deltas.
+        """``req``'s deltas from the replica the router picks; errors arrive as error deltas.
 
         Until the first delta is out, a replica that is draining (503) or dies is
         skipped for another one: nothing was shown to the client yet.
         """
         tried: set[str] = set()
         refusal = _error_delta(req.rid, 503, "no ready replica can take the request; retry shortly")
-        while (replica := self.pool.pick(exclude=tried)) is not None:
+        while (replica := self.pool.route(req.prompt_ids, exclude=tried)) is not None:
             tried.add(replica.name)
             sent = False
             try:

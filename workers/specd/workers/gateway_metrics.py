@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.workers.pool import PoolController, ReplicaState
@@ -40,8 +40,11 @@ class GatewayMetrics:
             "spec.replicas of the deployment (ready below it: a replica is missing)",
             registry=self.registry,
         )
+        self._routing = _RoutingCounts()
+        self.registry.register(self._routing)
 
     def observe_pool(self, pool: PoolController) -> None:
+        self._routing.pool = pool
         self.desired_replicas.set(pool.spec.replicas)
         states = [a["state"] for a in pool.status()["actors"]]
         for state in ReplicaState:
@@ -88,6 +91,36 @@ class _Families:
 
     def collect(self) -> list[Metric]:
         return self._families
+
+
+class _RoutingCounts:
+    """The pool's routing counts (`PoolController.route`) as counters, read at scrape."""
+
+    def __init__(self) -> None:
+        self.pool: PoolController | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        if self.pool is None:
+            return []
+        routed = CounterMetricFamily(
+            "specd_gateway_routed_requests",
+            "Prompts routed to each replica, by why it was chosen: prefix (the longest "
+            "predicted cache hit), load (least loaded), balance (a hit's replica was too busy)",
+            labels=["replica", "reason"],
+        )
+        for (replica, reason), count in sorted(self.pool.routed.items()):
+            routed.add_metric([replica, reason], count)
+        hits = CounterMetricFamily(
+            "specd_gateway_routed_predicted_hit_tokens",
+            "Prompt tokens predicted cached on the replica each prompt was routed to",
+            labels=["replica"],
+        )
+        for replica, count in sorted(self.pool.routed_hit_tokens.items()):
+            hits.add_metric([replica], count)
+        return [routed, hits]
 
 
 class CountRequests:

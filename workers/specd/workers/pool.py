@@ -23,9 +23,9 @@ import logging
 import re
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -35,7 +35,8 @@ from ray.exceptions import RayActorError, RayError
 from specd.workers.actor import create_engine_actor
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
-from specd.workers.router import ReplicaLoad, pick_replica
+from specd.workers.prefix_affinity import CacheShape, PrefixAffinity
+from specd.workers.router import ReplicaLoad, pick_for_prompt, pick_replica
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,10 @@ class PoolController:
         self._start_failures = 0
         self._next_start_at = 0.0
         self.events: deque[dict[str, Any]] = deque(maxlen=50)
+        self.affinity = PrefixAffinity()  # what each replica likely has cached
+        # prompts routed, by (replica, `RouteReason`); prompt tokens predicted cached there
+        self.routed: Counter[tuple[str, str]] = Counter()
+        self.routed_hit_tokens: Counter[str] = Counter()
         self.released = False  # `stop` ran: the actors are gone and stay gone
 
     # -- lifecycle ----------------------------------------------------------
@@ -310,6 +315,48 @@ class PoolController:
         name = pick_replica((r.router_load() for r in candidates.values()), for_session=for_session)
         return None if name is None else candidates[name]
 
+    def route(
+        self, prompt: Sequence[int], exclude: frozenset[str] | set[str] = frozenset()
+    ) -> Replica | None:
+        """The ready replica not in ``exclude`` that gets ``prompt`` under
+        ``spec.routing`` (see `router`); the prompt goes on its prefix record."""
+        rule = self.spec.routing
+        if rule.policy == "leastLoad":
+            return self.pick(exclude)
+        candidates = {r.name: r for r in self.ready() if r.name not in exclude}
+        shapes = {name: CacheShape.from_info(r.info) for name, r in candidates.items()}
+        hits = self.affinity.predicted_hits(prompt, shapes)
+        loads = [
+            replace(
+                r.router_load(),
+                predicted_hit=hits[name],
+                tracked_tokens=self.affinity.tracked_tokens(name, shapes[name]),
+            )
+            for name, r in candidates.items()
+        ]
+        choice = pick_for_prompt(loads, len(prompt), rule)
+        if choice is None:
+            return None
+        name, reason = choice
+        self.affinity.record(name, prompt, shapes[name])
+        self.routed[name, reason] += 1
+        self.routed_hit_tokens[name] += hits[name]
+        return candidates[name]
+
+    def routed_by_reason(self) -> dict[str, int]:
+        """Prompts routed by the replicas in the pool, by `RouteReason`."""
+        totals: Counter[str] = Counter()
+        for (_, reason), count in self.routed.items():
+            totals[reason] += count
+        return dict(totals)
+
+    def _forget_routing(self, name: str) -> None:
+        """Replica ``name`` left the pool: its prefix record and routing counts go."""
+        self.affinity.forget(name)
+        self.routed_hit_tokens.pop(name, None)
+        for key in [k for k in self.routed if k[0] == name]:
+            del self.routed[key]
+
     def serving_actor(self, ray_name: str) -> Replica | None:
         """The ready replica whose actor is named ``ray_name`` (session affinity)."""
         return next((r for r in self.ready() if r.actor_name == ray_name), None)
@@ -385,6 +432,11 @@ class PoolController:
             "released": self.released,
             "kv_usage": max((float(r.load.get("kv_usage", 0.0)) for r in ready), default=0.0),
             "actors": [r.summary() for r in replicas],
+            "routing": {
+                "policy": self.spec.routing.policy,
+                "routed": self.routed_by_reason(),
+                "predicted_hit_tokens": self.routed_hit_tokens.total(),
+            },
             "events": list(self.events),
         }
 
@@ -441,6 +493,7 @@ class PoolController:
         """One synchronous pass: forget the dead, then launch starts and retirements."""
         for name in [n for n, r in self._replicas.items() if r.state is ReplicaState.DEAD]:
             self._replaced_restarts.append(self._replicas.pop(name).restarts + 1)
+            self._forget_routing(name)
         plan = plan_reconcile(
             list(self._replicas.values()),
             self.spec.replicas,

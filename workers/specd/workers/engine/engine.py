@@ -460,6 +460,16 @@ class Engine:
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()
 
+    def prefix_cache_shape(self) -> dict | None:
+        """``page_size`` and ``capacity_tokens`` of the prefix cache (None when off): what
+        the gateway's cache-aware router needs to mirror it."""
+        if self.kv.cache is None:
+            return None
+        return {
+            "page_size": self.allocator.page_size,
+            "capacity_tokens": self.allocator.total_tokens,
+        }
+
     def status(self) -> dict:
         return dict(self._status, healthy=self.healthy, last_error=self.last_error)
 

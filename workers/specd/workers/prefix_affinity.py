@@ -1,0 +1,100 @@
+"""The gateway's guess of which replica holds a prompt's KV: cache-aware routing's index.
+
+Each engine keeps finished prompts' KV pages in its prefix cache
+(`specd.workers.mem_cache.prefix_cache`).  The gateway sees every request it routes,
+so it mirrors those caches without asking the engines: a prompt's leading tokens are
+cut into blocks, each block's key chains its tokens to the previous block's key (as
+vLLM's block hashes do), and the keys of a prompt go on record for the replica it was
+sent to.  A replica's record is an LRU bounded by its KV pool; a prompt's deepest
+blocks are the first of it to go, as the engine evicts leaves first.
+
+A block is the smallest multiple of the replica's page size that holds at least
+`MIN_BLOCK_TOKENS` tokens, so a page size of 1 does not cost one key per token.  The
+guess can be wrong (an engine may evict earlier, under memory pressure); a wrong guess
+costs a prefill, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MIN_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What a replica's engine reports of its prefix cache (`EngineActor.info`)."""
+
+    page_size: int
+    capacity_tokens: int  # its KV pool: the most it can keep
+
+    @property
+    def block_tokens(self) -> int:
+        return self.page_size * -(-MIN_BLOCK_TOKENS // self.page_size)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return max(1, self.capacity_tokens // self.block_tokens)
+
+    @classmethod
+    def from_info(cls, info: Mapping) -> CacheShape | None:
+        """The shape in an ``info()`` answer; None when the replica caches no prefix."""
+        shape = info.get("prefix_cache")
+        return None if not shape else cls(int(shape["page_size"]), int(shape["capacity_tokens"]))
+
+
+def block_keys(prompt: Sequence[int], block_tokens: int) -> list[int]:
+    """Chained keys of ``prompt``'s whole blocks that a request could start on: the
+    engine lends every cached page but the one holding the prompt's last token."""
+    keys, key = [], 0
+    for start in range(0, (len(prompt) - 1) // block_tokens * block_tokens, block_tokens):
+        key = hash((key, *prompt[start : start + block_tokens]))
+        keys.append(key)
+    return keys
+
+
+class PrefixAffinity:
+    """Per replica: the block keys of the prompts sent there, least recently used first."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, OrderedDict[int, None]] = {}
+
+    def predicted_hits(
+        self, prompt: Sequence[int], shapes: Mapping[str, CacheShape | None]
+    ) -> dict[str, int]:
+        """Per replica in ``shapes``: how many of ``prompt``'s tokens it likely has cached."""
+        keys_by_block: dict[int, list[int]] = {}
+        hits = {}
+        for name, shape in shapes.items():
+            record = self._records.get(name)
+            if shape is None or not record:
+                hits[name] = 0
+                continue
+            keys = keys_by_block.get(shape.block_tokens)
+            if keys is None:
+                keys = keys_by_block[shape.block_tokens] = block_keys(prompt, shape.block_tokens)
+            matched = next((i for i, key in enumerate(keys) if key not in record), len(keys))
+            hits[name] = matched * shape.block_tokens
+        return hits
+
+    def record(self, name: str, prompt: Sequence[int], shape: CacheShape | None) -> None:
+        """``prompt`` was sent to replica ``name``: its blocks are now its most recent."""
+        if shape is None:
+            return
+        record = self._records.setdefault(name, OrderedDict())
+        for key in reversed(block_keys(prompt, shape.block_tokens)):  # the first block last:
+            record[key] = None  # it is evicted last
+            record.move_to_end(key)
+        while len(record) > shape.capacity_blocks:
+            record.popitem(last=False)
+
+    def tracked_tokens(self, name: str, shape: CacheShape | None) -> int:
+        """How many tokens of cache the index credits replica ``name`` with."""
+        record = self._records.get(name)
+        return 0 if shape is None or not record else len(record) * shape.block_tokens
+
+    def forget(self, name: str) -> None:
+        """Replica ``name`` left the pool (its names are never reused)."""
+        self._records.pop(name, None)
