@@ -110,6 +110,10 @@ def test_stop_token_and_stop_string(engine):
     if needle.strip():
         _, cut, last = run_all(engine, [prompt], max_tokens=10, stop=(needle,), ignore_eos=True)[0]
         assert cut == text[: text.index(needle)] and last.finish_reason is FinishReason.STOP
+        # min_tokens covering the whole output: no stop string counts (vLLM's rule)
+        whole = dict(max_tokens=10, stop=(needle,), ignore_eos=True, min_tokens=10)
+        _, uncut, last = run_all(engine, [prompt], **whole)[0]
+        assert uncut == text and last.finish_reason is FinishReason.LENGTH
 
 
 def test_bad_requests_get_400(engine):

@@ -5,7 +5,9 @@ tokenizers which add spaces by context (SentencePiece) produce the right deltas,
 a delta is held back while it ends in an incomplete UTF-8 sequence ("\\ufffd").
 With stop strings, the last ``max(len(stop)) - 1`` characters are also held back
 until it is clear they do not start a stop string, so streamed text never has to be
-taken back.
+taken back.  Under ``min_tokens`` a stop string counts only if it ends after the text
+of the first ``min_tokens`` output tokens (vLLM's rule: stop strings are looked for
+once more than ``min_tokens`` tokens are out).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ class IncrementalDetokenizer:
     tokenizer: object
     prompt_len: int
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
     text: str = ""  # all output text decoded so far (cut at a stop string)
     emitted: int = 0  # characters of ``text`` already handed out
     stopped: bool = False
     _prefix_offset: int = field(init=False)
     _read_offset: int = field(init=False)
+    _stop_floor: int = field(init=False, default=0)  # no stop string may end at or before
 
     def __post_init__(self):
         self._read_offset = self.prompt_len
@@ -43,7 +47,10 @@ class IncrementalDetokenizer:
                 self.text += after[len(before) :]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(all_ids)
-            self._apply_stop_strings()
+            if len(all_ids) - self.prompt_len <= self.min_tokens:
+                self._stop_floor = len(self.text)
+            else:
+                self._apply_stop_strings()
         release = len(self.text)
         if self.stop and not (final or self.stopped):
             release = max(self.emitted, release - (max(map(len, self.stop)) - 1))
@@ -55,7 +62,11 @@ class IncrementalDetokenizer:
         if not self.stop:
             return
         search_from = max(0, self.emitted - max(map(len, self.stop)))
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [
+            i
+            for s in self.stop
+            if (i := self.text.find(s, max(search_from, self._stop_floor - len(s) + 1))) >= 0
+        ]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

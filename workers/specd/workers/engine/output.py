@@ -70,7 +70,9 @@ class OutputProcessor:
         """Start streaming ``stream.req`` (its prompt is final: a session turn's history
         is joined)."""
         req = stream.req
-        stream.detok = IncrementalDetokenizer(self.tokenizer, len(req.prompt_ids), req.params.stop)
+        stream.detok = IncrementalDetokenizer(
+            self.tokenizer, len(req.prompt_ids), req.params.stop, req.params.min_tokens
+        )
         self.streams[req.rid] = stream
 
     def live_requests(self) -> list[Req]:
