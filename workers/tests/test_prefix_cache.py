@@ -359,6 +359,59 @@ def test_a_request_starts_on_the_prefill_of_one_still_running(kind, shared_prefi
     assert usage.cached_tokens == 37 // page * page
 
 
+@pytest.mark.parametrize("kind", ["plain P4 overlap", "chain P1"])
+def test_requests_arriving_together_compute_a_shared_prompt_once(kind, shared_prefix_prompts):
+    """On a cold cache, four requests at once, two with the same prompt and all with
+    the same 37-token system prompt: the first computes the shared pages, the others
+    wait for them (the identical prompt until the whole prefill is done) and borrow
+    them; output is still the peer's."""
+    prompts, expected = shared_prefix_prompts
+    engine = ENGINES[kind]()
+    page = engine.allocator.page_size
+    batch = [prompts[0], prompts[0], prompts[1], prompts[2]]
+    try:
+        results = run_all(engine, batch, max_tokens=NEW_TOKENS, ignore_eos=True)
+        assert [r[0] for r in results] == [expected[0], *expected[:3]]
+        assert wait_idle(engine) and request_held_tokens(engine) == 0
+        assert engine.status()["healthy"], engine.status()["last_error"]
+    finally:
+        engine.shutdown()
+    cached = [r[2].usage.cached_tokens for r in results]
+    assert cached[:2] == [0, (len(prompts[0]) - 1) // page * page]
+    assert all(c >= 37 // page * page for c in cached[2:]), cached
+
+
+def test_a_short_shared_head_and_prompt_scoring_do_not_wait(shared_prefix_prompts):
+    """Below `MIN_SHARED_PREFILL_TOKENS` in common, or scoring its prompt (it never
+    borrows), a request is admitted with the first one and computes its own prompt."""
+    prompts, _ = shared_prefix_prompts
+    short_head = [prompts[0][:20] + prompts[1][37:], prompts[0]]
+    engine = start_engine(DEMO_TARGET)
+    try:
+        heads = run_all(engine, short_head, max_tokens=4, ignore_eos=True)
+        unseen = prompts[2][::-1]
+        scoring = [(unseen, {}), (unseen, {"prompt_logprobs": 0})]
+        scored = asyncio.run(
+            _together(engine, [(f"s{i}", p, params) for i, (p, params) in enumerate(scoring)])
+        )
+    finally:
+        engine.shutdown()
+    assert [r[2].usage.cached_tokens for r in heads] == [0, 0]
+    assert [usage.cached_tokens for usage in scored] == [0, 0]
+
+
+async def _together(engine, requests):
+    """Submit ``(rid, prompt, extra params)`` at once -> each one's usage."""
+
+    async def one(rid, prompt, extra):
+        params = SamplingParams(max_tokens=4, ignore_eos=True, **extra)
+        async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params)):
+            last = delta
+        return last.usage
+
+    return await asyncio.gather(*(one(*r) for r in requests))
+
+
 async def _collect(engine, rid, prompt):
     tokens, last = [], None
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -7,7 +7,10 @@ requests are then admitted in arrival order while the budget, the row pool,
 ``max_running_requests`` and the KV pool allow.  When a running request cannot get
 KV for its next token, the newest running request is retracted: its KV is freed
 and it goes back to the front of the queue, keeping its output so far (it is
-re-prefilled later and continues exactly where it stopped).
+re-prefilled later and continues exactly where it stopped).  A waiting request
+whose prompt opens like the prompt of a request still prefilling is passed over until
+that prefill has computed the shared pages (`awaits_shared_prefill`), so it borrows them
+from the prefix cache instead of computing them a second time.
 
 The scheduler only does bookkeeping; it never builds tensors for the model.
 """
@@ -15,7 +18,7 @@ The scheduler only does bookkeeping; it never builds tensors for the model.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specd.workers.engine.types import FinishReason
@@ -30,6 +33,9 @@ from specd.workers.speculative.accounting import (
     resolve_committed,
     return_preclaimed_slot,
 )
+
+# the least shared prompt, in tokens, worth waiting for another request's prefill
+MIN_SHARED_PREFILL_TOKENS = 32
 
 
 def final_kv_tokens(req: Req) -> list[int]:
@@ -239,11 +245,14 @@ class Scheduler:
         return ScheduledBatch(reqs, starts, lens, sample, **fields)
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
-        admitted = []
+        admitted, passed_over = [], []
         while self.waiting and budget > 0:
             if len(self.running) >= self.config.max_running_requests:
                 break
             req = self.waiting[0]
+            if self.awaits_shared_prefill(req):
+                passed_over.append(self.waiting.popleft())
+                continue
             borrowed = self._start_on_cached_prefix(req)
             take = min(req.tokens_to_compute, budget)
             # room for its whole remaining prefill (a chunked prefill admitted without it
@@ -263,19 +272,44 @@ class Scheduler:
             self._count_cache_lookup(req, borrowed)
             admitted.append((req, take))
             budget -= take
+        self.waiting.extendleft(reversed(passed_over))  # their place in the queue kept
         return admitted
+
+    def awaits_shared_prefill(self, req: Req) -> bool:
+        """Whether ``req`` should wait: a running request is prefilling a prompt that
+        opens like ``req``'s and has not yet computed the shared whole pages (at least
+        `MIN_SHARED_PREFILL_TOKENS`).  Once it has, they are in the prefix cache for
+        ``req`` to borrow.  The wait is bounded: the shared part is the other prompt's
+        head, computed in its first chunks (a retracted request stops blocking)."""
+        if not self._may_borrow(req):
+            return False
+        page = self.kv.page_size
+        tokens = req.fill_ids[: req.num_fill - 1]
+        for other in self.running:
+            if other.tokens_to_compute == 0 or not self._may_borrow(other, running=True):
+                continue
+            shared = shared_prefix_len(tokens, other.fill_ids[: other.num_fill - 1])
+            shared -= shared % page
+            if shared >= MIN_SHARED_PREFILL_TOKENS and other.kv.committed < shared:
+                return True
+        return False
+
+    def _may_borrow(self, req: Req, running: bool = False) -> bool:
+        """Whether the prefix cache applies to ``req``: not to session turns (their
+        history is their KV), nor to prompt scoring (it needs every prompt row), nor
+        to a waiting request that still holds a row (``running``: one that does)."""
+        if self.kv.cache is None or req.session is not None:
+            return False
+        return req.params.prompt_logprobs is None and (running or req.kv.row is None)
 
     def _start_on_cached_prefix(self, req: Req) -> int | None:
         """Let ``req`` (holding no KV) borrow the longest cached prefix of its tokens, all
         but the last (whose row gives the next token's logits) -> tokens borrowed, or
         None where the cache does not apply: session turns (their history is their KV)
         and prompt scoring (it needs every prompt row)."""
-        cache = self.kv.cache
-        if cache is None or req.kv.row is not None or req.session is not None:
+        if not self._may_borrow(req):
             return None
-        if req.params.prompt_logprobs is not None:
-            return None
-        prefix = cache.match(req.fill_ids[: req.num_fill - 1])
+        prefix = self.kv.cache.match(req.fill_ids[: req.num_fill - 1])
         if not prefix or not self.kv.borrow(req.kv, prefix):
             return 0
         return req.kv.committed
@@ -420,3 +454,9 @@ class Scheduler:
                     f"tokens with KV + {req.inflight_steps} pre-claimed root(s) of verify "
                     f"steps in flight"
                 )
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
