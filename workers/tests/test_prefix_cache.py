@@ -15,6 +15,7 @@ from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.leak_check import token_pool_balance
 from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.scheduler.scheduler import shared_prefix_len
 from specd.workers.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
@@ -398,6 +399,14 @@ def test_a_short_shared_head_and_prompt_scoring_do_not_wait(shared_prefix_prompt
         engine.shutdown()
     assert [r[2].usage.cached_tokens for r in heads] == [0, 0]
     assert [usage.cached_tokens for usage in scored] == [0, 0]
+
+
+@pytest.mark.parametrize("split", [0, 1, 63, 64, 65, 130, 200])
+def test_shared_prefix_len_across_strides(split):
+    a = list(range(200))
+    b = a[:split] + [-1] + a[split + 1 :]
+    assert shared_prefix_len(a, b) == shared_prefix_len(b, a) == split
+    assert shared_prefix_len(a, a[:split]) == split
 
 
 async def _together(engine, requests):

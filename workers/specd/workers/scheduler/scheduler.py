@@ -456,7 +456,12 @@ class Scheduler:
                 )
 
 
-def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+def shared_prefix_len(a: Sequence[int], b: Sequence[int], stride: int = 64) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common (compared ``stride`` at a
+    time, then one by one: every step may ask this of long prompts)."""
+    n, i = min(len(a), len(b)), 0
+    while i + stride <= n and a[i : i + stride] == b[i : i + stride]:
+        i += stride
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
