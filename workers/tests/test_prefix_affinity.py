@@ -9,7 +9,7 @@ import pytest
 
 from specd.workers.config import spec_for_model
 from specd.workers.pool import PoolController, Replica, ReplicaState
-from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, block_keys
+from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks, block_keys
 
 SHAPE = CacheShape(page_size=1, capacity_tokens=4096)  # blocks of 16 tokens
 
@@ -40,27 +40,31 @@ def test_a_key_covers_every_token_before_it():
 def test_predicted_hits_follow_what_was_sent_where():
     index = PrefixAffinity()
     system = tokens(64, 2)
-    index.record("r0", [*system, *tokens(10, 3)], SHAPE)
+    index.record("r0", PromptBlocks([*system, *tokens(10, 3)]), SHAPE)
     shapes = {"r0": SHAPE, "r1": SHAPE, "off": None}
-    assert index.predicted_hits([*system, *tokens(30, 4)], shapes) == {"r0": 64, "r1": 0, "off": 0}
+    assert index.predicted_hits(PromptBlocks([*system, *tokens(30, 4)]), shapes) == {
+        "r0": 64,
+        "r1": 0,
+        "off": 0,
+    }
     diverging = [*system[:40], 7777, *system[41:]]  # blocks 0 and 1 still match
-    assert index.predicted_hits(diverging, shapes)["r0"] == 32
+    assert index.predicted_hits(PromptBlocks(diverging), shapes)["r0"] == 32
     # a replica with another page size keys its own blocks
-    index.record("r1", system + [1], CacheShape(page_size=32, capacity_tokens=4096))
-    hit = index.predicted_hits(system + [2], {"r1": CacheShape(32, 4096)})
+    index.record("r1", PromptBlocks(system + [1]), CacheShape(page_size=32, capacity_tokens=4096))
+    hit = index.predicted_hits(PromptBlocks(system + [2]), {"r1": CacheShape(32, 4096)})
     assert hit == {"r1": 64}
 
 
 def test_a_replica_without_prefix_cache_is_never_credited():
     index = PrefixAffinity()
-    index.record("r0", tokens(100, 5), None)
-    assert index.predicted_hits(tokens(100, 5), {"r0": SHAPE}) == {"r0": 0}
+    index.record("r0", PromptBlocks(tokens(100, 5)), None)
+    assert index.predicted_hits(PromptBlocks(tokens(100, 5)), {"r0": SHAPE}) == {"r0": 0}
     assert index.tracked_tokens("r0", SHAPE) == 0
 
 
 def test_the_record_is_bounded_by_the_pool_and_loses_deepest_blocks_first():
     index, small = PrefixAffinity(), CacheShape(page_size=16, capacity_tokens=48)  # 3 blocks
-    a, b = tokens(33, 6), tokens(33, 7)  # two blocks each
+    a, b = PromptBlocks(tokens(33, 6)), PromptBlocks(tokens(33, 7))  # two blocks each
     index.record("r0", a, small)
     index.record("r0", b, small)  # 4 blocks on record: a's deepest goes
     assert index.tracked_tokens("r0", small) == 48

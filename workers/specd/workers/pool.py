@@ -35,7 +35,7 @@ from ray.exceptions import RayActorError, RayError
 from specd.workers.actor import create_engine_actor
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
-from specd.workers.prefix_affinity import CacheShape, PrefixAffinity
+from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks
 from specd.workers.router import ReplicaLoad, pick_for_prompt, pick_replica
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ class PoolController:
     ) -> Replica | None:
         """The least-loaded ready replica not in ``exclude``; ``for_session``: the one a
         new session should go to (see `router`)."""
-        candidates = {r.name: r for r in self.ready() if r.name not in exclude}
+        candidates = self._ready_except(exclude)
         name = pick_replica((r.router_load() for r in candidates.values()), for_session=for_session)
         return None if name is None else candidates[name]
 
@@ -323,9 +323,10 @@ class PoolController:
         rule = self.spec.routing
         if rule.policy == "leastLoad":
             return self.pick(exclude)
-        candidates = {r.name: r for r in self.ready() if r.name not in exclude}
+        candidates = self._ready_except(exclude)
         shapes = {name: CacheShape.from_info(r.info) for name, r in candidates.items()}
-        hits = self.affinity.predicted_hits(prompt, shapes)
+        blocks = PromptBlocks(prompt)
+        hits = self.affinity.predicted_hits(blocks, shapes)
         loads = [
             replace(
                 r.router_load(),
@@ -338,10 +339,13 @@ class PoolController:
         if choice is None:
             return None
         name, reason = choice
-        self.affinity.record(name, prompt, shapes[name])
+        self.affinity.record(name, blocks, shapes[name])
         self.routed[name, reason] += 1
         self.routed_hit_tokens[name] += hits[name]
         return candidates[name]
+
+    def _ready_except(self, exclude: frozenset[str] | set[str]) -> dict[str, Replica]:
+        return {r.name: r for r in self.ready() if r.name not in exclude}
 
     def routed_by_reason(self) -> dict[str, int]:
         """Prompts routed by the replicas in the pool, by `RouteReason`."""

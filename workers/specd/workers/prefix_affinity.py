@@ -55,6 +55,21 @@ def block_keys(prompt: Sequence[int], block_tokens: int) -> list[int]:
     return keys
 
 
+class PromptBlocks:
+    """One prompt's `block_keys`, computed once per block size (a pool in a rolling
+    update may mix page sizes) for both `PrefixAffinity.predicted_hits` and `record`."""
+
+    def __init__(self, prompt: Sequence[int]):
+        self.prompt = prompt
+        self._keys: dict[int, list[int]] = {}
+
+    def keys(self, block_tokens: int) -> list[int]:
+        keys = self._keys.get(block_tokens)
+        if keys is None:
+            keys = self._keys[block_tokens] = block_keys(self.prompt, block_tokens)
+        return keys
+
+
 class PrefixAffinity:
     """Per replica: the block keys of the prompts sent there, least recently used first."""
 
@@ -62,29 +77,26 @@ class PrefixAffinity:
         self._records: dict[str, OrderedDict[int, None]] = {}
 
     def predicted_hits(
-        self, prompt: Sequence[int], shapes: Mapping[str, CacheShape | None]
+        self, prompt: PromptBlocks, shapes: Mapping[str, CacheShape | None]
     ) -> dict[str, int]:
-        """Per replica in ``shapes``: how many of ``prompt``'s tokens it likely has cached."""
-        keys_by_block: dict[int, list[int]] = {}
+        """Per replica in ``shapes``: how many of the prompt's tokens it likely has cached."""
         hits = {}
         for name, shape in shapes.items():
             record = self._records.get(name)
             if shape is None or not record:
                 hits[name] = 0
                 continue
-            keys = keys_by_block.get(shape.block_tokens)
-            if keys is None:
-                keys = keys_by_block[shape.block_tokens] = block_keys(prompt, shape.block_tokens)
+            keys = prompt.keys(shape.block_tokens)
             matched = next((i for i, key in enumerate(keys) if key not in record), len(keys))
             hits[name] = matched * shape.block_tokens
         return hits
 
-    def record(self, name: str, prompt: Sequence[int], shape: CacheShape | None) -> None:
-        """``prompt`` was sent to replica ``name``: its blocks are now its most recent."""
+    def record(self, name: str, prompt: PromptBlocks, shape: CacheShape | None) -> None:
+        """The prompt was sent to replica ``name``: its blocks are now its most recent."""
         if shape is None:
             return
         record = self._records.setdefault(name, OrderedDict())
-        for key in reversed(block_keys(prompt, shape.block_tokens)):  # the first block last:
+        for key in reversed(prompt.keys(shape.block_tokens)):  # the first block last:
             record[key] = None  # it is evicted last
             record.move_to_end(key)
         while len(record) > shape.capacity_blocks:
