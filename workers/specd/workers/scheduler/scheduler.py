@@ -305,8 +305,7 @@ class Scheduler:
     def _start_on_cached_prefix(self, req: Req) -> int | None:
         """Let ``req`` (holding no KV) borrow the longest cached prefix of its tokens, all
         but the last (whose row gives the next token's logits) -> tokens borrowed, or
-        None where the cache does not apply: session turns (their history is their KV)
-        and prompt scoring (it needs every prompt row)."""
+        None where the cache does not apply to it (`_may_borrow`)."""
         if not self._may_borrow(req):
             return None
         prefix = self.kv.cache.match(req.fill_ids[: req.num_fill - 1])
