@@ -263,6 +263,48 @@ def test_openai_client(gateway):
     assert err.value.body["param"] == "n"
 
 
+CHOICE = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+}
+
+
+def test_structured_output_through_the_openai_client(gateway):
+    """A JSON schema (chat, streamed too) and a regex (completions' extra body) shape
+    even a random model's output, which then ends with a stop."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": CHOICE}}
+    messages = [{"role": "user", "content": "Pick a color."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, response_format=fmt, temperature=0, max_tokens=96
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"ok", "color"} and answer["color"] in ("red", "green", "blue")
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            response_format=fmt,
+            temperature=0,
+            max_tokens=96,
+            stream=True,
+        )
+    )
+    assert streamed == chat.choices[0].message.content
+    done = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=32,
+        temperature=1.0,
+        seed=3,
+        extra_body={"regex": "(yes|no)!"},
+    )
+    assert done.choices[0].finish_reason == "stop" and done.choices[0].text in ("yes!", "no!")
+
+
 def test_tokenize_counts_what_a_request_would_send(http):
     """/tokenize gives the ids (and count) a completion or a chat request sends the
     model: the same count as that request's usage; /detokenize inverts it."""
@@ -516,6 +558,25 @@ BAD_INPUTS = {
         "messages[0].content",
     ),
     "unknown path": ("/v1/embeddings", {**M, "input": "x"}, 404, None),
+    "bad json schema": (
+        CHAT,
+        {
+            **M,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "no"}}},
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    "response_format xml": (
+        CMPL,
+        {**A, "response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
+    ),
+    "bad regex": (CMPL, {**A, "regex": "(a"}, 400, "regex"),
+    "two output constraints": (CMPL, {**A, "regex": "a", "ebnf": 'root ::= "a"'}, 400, None),
+    "grammar with ignore_eos": (CMPL, {**A, "regex": "a+", "ignore_eos": True}, 400, "ignore_eos"),
     "session_id, sessions disabled": (CMPL, {**A, "session_id": "x.y"}, 400, "session_id"),
     "chat session_id, sessions disabled": (
         CHAT,

@@ -187,7 +187,7 @@ def test_a_tree_node_is_processed_as_plain_decode_after_its_path(steps, topk, to
     params = {**PROCESSED, "min_tokens": 4}
     reqs = [_req(output=[3, 3], **params), _req(output=[3, 5], temperature=1.0)]
     procs = LogitsProcessors([EOS])
-    got = procs.apply_tree(logits, reqs, tree.tree_mask, tree.tokens, tree.depths)
+    got = procs.apply_tree(logits, reqs, tree)
     assert torch.equal(got[1], logits[1])  # asks for nothing
     parents = tree.parents[0].tolist()
     for i in range(tokens):

@@ -144,7 +144,7 @@ def _validation_message(err: dict, param: str | None) -> str:
     if err["type"] == "json_invalid":
         return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
     if err["type"] == "model_attributes_type" or (
-        err["loc"] == ("body",) and err["type"] != "missing"
+        err["loc"] == ("body",) and err["type"] not in ("missing", "value_error")
     ):
         return "request body must be a JSON object (send Content-Type: application/json)"
     if err["type"] == "missing":
@@ -154,9 +154,10 @@ def _validation_message(err: dict, param: str | None) -> str:
 
 
 def _param_of_message(message: str) -> str | None:
-    """Engine refusals start with the field they are about: ``"prompt: ..."``."""
+    """Engine refusals start with the field they are about: ``"prompt: ..."``,
+    ``"response_format.json_schema.schema: ..."``."""
     head, sep, _ = message.partition(":")
-    return head if sep and head.isidentifier() else None
+    return head if sep and all(part.isidentifier() for part in head.split(".")) else None
 
 
 def _error_delta(rid: str, status: int, message: str) -> GenerateDelta:

@@ -20,10 +20,17 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
-from specd.workers.engine.types import SamplingParams, TokenLogprob
+from specd.workers.engine.types import Grammar, SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
 
@@ -46,6 +53,34 @@ def _omit_none(value: Any) -> bool:
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Lenient):
+    """``response_format.json_schema``: OpenAI's shape (``name`` and ``strict`` are
+    accepted; the output always follows the schema)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatParam(_Lenient):
+    """The request's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(
+        cls, value: JsonSchemaFormat | None, info: ValidationInfo
+    ) -> JsonSchemaFormat | None:
+        if (value is None) == (info.data.get("type") == "json_schema"):
+            raise ValueError(
+                'send json_schema (with its "schema") exactly when type is "json_schema"'
+            )
+        return value
 
 
 class _GenerationRequest(_Lenient):
@@ -88,6 +123,29 @@ class _GenerationRequest(_Lenient):
     min_tokens: int = Field(
         0, ge=0, description="Extension: hold back EOS and stop_token_ids until this many"
     )
+    response_format: ResponseFormatParam | None = None
+    regex: str | None = Field(
+        None, description="Extension (SGLang's): the output matches this regular expression"
+    )
+    ebnf: str | None = Field(
+        None, description="Extension (SGLang's): the output follows this EBNF grammar (root rule)"
+    )
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> Self:
+        fmt = self.response_format
+        asked = [
+            name
+            for name, on in (
+                ("response_format", fmt is not None and fmt.type != "text"),
+                ("regex", self.regex is not None),
+                ("ebnf", self.ebnf is not None),
+            )
+            if on
+        ]
+        if len(asked) > 1:
+            raise ValueError(f"send one output constraint, not {' and '.join(asked)}")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -172,7 +230,22 @@ class _GenerationRequest(_Lenient):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> Grammar | None:
+        """The output constraint asked for (structured output), if any."""
+        if self.regex is not None:
+            return Grammar("regex", self.regex, "regex")
+        if self.ebnf is not None:
+            return Grammar("ebnf", self.ebnf, "ebnf")
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Grammar("json_object", field="response_format")
+        schema = json.dumps(fmt.json_schema.schema_)
+        return Grammar("json_schema", schema, "response_format.json_schema.schema")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -251,7 +324,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
         "tools": ([],),
-        "response_format": ({"type": "text"},),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -259,7 +331,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -31,6 +31,7 @@ from specd.workers.engine.logits_processors import LogitsProcessors, check_proce
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
+from specd.workers.engine.structured_output import Grammars, check_grammar_params
 from specd.workers.engine.types import (
     FinishReason,
     GenerateDelta,
@@ -264,6 +265,9 @@ class Engine:
         )
         self.scheduler.sessions = self.sessions
         self.outputs = OutputProcessor(self.metrics, self.tokenizer, self.scheduler.finish)
+        self.grammars = Grammars(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
         if self.spec_decoder is not None:
             self.scheduler.on_release = self._forget_draft_state
         self._refresh_status()
@@ -382,6 +386,7 @@ class Engine:
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
         check_processor_params(req.params, vocab)
+        check_grammar_params(req.params)
         for name in ("logprobs", "prompt_logprobs"):
             top = getattr(req.params, name)
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -423,6 +428,9 @@ class Engine:
             return
         try:
             self.validate(request)
+            grammar = None
+            if request.params.grammar is not None:  # compiled off the event loop
+                grammar = await asyncio.to_thread(self.grammars.state_for, request.params)
         except InvalidRequest as err:
             yield error_delta(request.rid, str(err), getattr(err, "code", 400))
             return
@@ -430,6 +438,7 @@ class Engine:
             rid=request.rid or uuid.uuid4().hex,
             prompt_ids=list(request.prompt_ids),
             params=request.params,
+            grammar=grammar,
         )
         stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
         self._post(("add", stream))

@@ -14,8 +14,10 @@ Each request's output counts live on the compute side (``LogitsState``) and are 
 from the tokens each step emits, so they are current even where the host lags a step
 behind (overlap).  A verify scores T tree nodes at once: node i's row predicts the token
 after the path root..i, so its counts add the drafts on that path (``path_counts``)
-and its output length adds the node's depth.  Requests that ask for none of these pay
-nothing; log-probs stay those of the raw logits (``logprobs.py``).
+and its output length adds the node's depth.  A request's grammar (structured output,
+``structured_output.py``) masks its rows last, each row with the state its path leads to.
+Requests that ask for none of these pay nothing; log-probs stay those of the raw logits
+(``logprobs.py``).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from specd.kernels.ops import host_tensor
+from specd.workers.engine.structured_output import GrammarState, apply_bitmask
 from specd.workers.engine.types import InvalidRequest, SamplingParams
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.stop import stop_token_ids
+from specd.workers.speculative.tree import DraftTree
 
 
 @dataclass(slots=True, eq=False)
@@ -159,49 +163,71 @@ class LogitsProcessors:
         def plain_row(st: LogitsState, _: int) -> tuple[torch.Tensor, torch.Tensor]:
             return st.output_counts[None], torch.full((1,), st.generated, device=logits.device)
 
-        return self._process_each(logits[:, None], reqs, plain_row)[:, 0]
+        def plain_mask(grammar: GrammarState, _: int) -> torch.Tensor:
+            bitmask = grammar.new_bitmask(1)
+            grammar.fill_row(bitmask, 0)
+            return bitmask
+
+        return self._process_each(logits[:, None], reqs, plain_row, plain_mask)[:, 0]
 
     def apply_tree(
-        self,
-        logits: torch.Tensor,
-        reqs: Sequence[Req],
-        tree_mask: torch.Tensor,
-        tokens: torch.Tensor,
-        depths: torch.Tensor,
+        self, logits: torch.Tensor, reqs: Sequence[Req], tree: DraftTree
     ) -> torch.Tensor:
-        """logits [bs, T, V] of a verify (tree ``tree_mask`` [bs, T, T], ``tokens`` and
-        ``depths`` [bs, T]) -> the rows to verify against; node i of request b is
-        processed as plain decode would be after the path root..i."""
+        """logits [bs, T, V] of a verify of ``tree`` -> the rows to verify against; node i
+        of request b is processed as plain decode would be after the path root..i."""
         vocab = logits.shape[-1]
+        host: list[tuple[list[int], list[int]]] = []  # (tokens, parents) per request
 
         def tree_rows(st: LogitsState, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-            path = path_counts(tree_mask[b], tokens[b], vocab)
-            return st.output_counts[None] + path, st.generated + depths[b]
+            path = path_counts(tree.tree_mask[b], tree.tokens[b], vocab)
+            return st.output_counts[None] + path, st.generated + tree.depths[b]
 
-        return self._process_each(logits, reqs, tree_rows)
+        def tree_masks(grammar: GrammarState, b: int) -> torch.Tensor:
+            if not host:  # one copy of the tree for every constrained request
+                host.extend(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True))
+            bitmask = grammar.new_bitmask(tree.num_tokens)
+            grammar.fill_tree(bitmask, *host[b])
+            return bitmask
+
+        return self._process_each(logits, reqs, tree_rows, tree_masks)
 
     def _process_each(
         self,
         logits: torch.Tensor,
         reqs: Sequence[Req],
         counts_of: Callable[[LogitsState, int], tuple[torch.Tensor, torch.Tensor]],
+        masks_of: Callable[[GrammarState, int], torch.Tensor],
     ) -> torch.Tensor:
         """logits [bs, R, V] -> processed where a request asks (a copy) or ``logits``;
-        ``counts_of(state, b)``: request b's rows' counts [R, V] and lengths [R]."""
-        asking = [b for b, r in enumerate(reqs) if processes_logits(r.params)]
+        ``counts_of(state, b)``: request b's rows' counts [R, V] and lengths [R];
+        ``masks_of(grammar, b)``: its rows' allowed tokens (a bitmask [R, W])."""
+        asking = [
+            b for b, r in enumerate(reqs) if processes_logits(r.params) or r.grammar is not None
+        ]
         if not asking:
             return logits
-        out = logits.clone()
+        out = logits.clone() if logits.dtype == torch.float32 else logits.float()
         for b in asking:
-            st = self.state(reqs[b], logits.shape[-1], logits.device)
-            counts, generated = counts_of(st, b)
-            out[b] = process_rows(logits[b], reqs[b].params, st, counts, generated)
+            req = reqs[b]
+            if processes_logits(req.params):
+                st = self.state(req, logits.shape[-1], logits.device)
+                counts, generated = counts_of(st, b)
+                out[b] = process_rows(logits[b], req.params, st, counts, generated)
+            if req.grammar is not None:
+                apply_bitmask(out[b], masks_of(req.grammar, b))
         return out
 
     def record(self, reqs: Sequence[Req], tokens: torch.Tensor | Sequence[Sequence[int]]) -> None:
         """Count the tokens a step emitted: ``tokens`` [n] (one per request, on the
         device) or, per request, a list of them (a verify's accepted path)."""
+        host = None  # a grammar's matcher takes host ids (a sync, for such batches only)
         for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                if host is None:
+                    host = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+                req.grammar.advance(
+                    host[i : i + 1] if isinstance(tokens, torch.Tensor) else host[i]
+                )
             st = req.logits_state
             if st is None:
                 continue

@@ -14,6 +14,19 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Grammar:
+    """What the output's text must follow (structured output, ``structured_output.py``).
+
+    kind: ``json_object`` (any JSON object), ``json_schema`` (``source``: the schema as JSON
+    text), ``regex`` or ``ebnf`` (``source``: the pattern or the grammar).  ``field``:
+    the request field it came from, which errors name."""
+
+    kind: str
+    source: str = ""
+    field: str = "grammar"
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
@@ -32,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per time a token was generated
     presence_penalty: float = 0.0  # subtracted once a token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: Grammar | None = None  # structured output: the text the output must follow
 
     @property
     def greedy(self) -> bool:

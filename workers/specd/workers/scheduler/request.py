@@ -36,6 +36,7 @@ class Req:
     num_retractions: int = 0
     sampler_state: Any = None  # per-request torch.Generator, owned by the sampler
     logits_state: Any = None  # penalties' counts etc., owned by LogitsProcessors
+    grammar: Any = None  # structured output's GrammarState (matcher), advanced on compute
     detok_state: Any = None  # incremental detokenizer state, owned by the engine
     spec_ready: bool = False  # prompt cached and first token sampled: verify steps can run
     inflight_steps: int = 0  # steps scheduled for it whose results are not processed yet

@@ -350,7 +350,7 @@ class SpecDecoder:
             return forced_accept(
                 tree, greedy_ids(logits), self.force_accept_len, self._forced_draws
             )
-        logits = self.processors.apply_tree(logits, reqs, tree.tree_mask, tree.tokens, tree.depths)
+        logits = self.processors.apply_tree(logits, reqs, tree)
         if all(r.params.greedy for r in reqs):
             return verify_greedy(tree, greedy_ids(logits), self.ops)
         probs = torch.empty_like(logits)

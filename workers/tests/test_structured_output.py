@@ -1,0 +1,313 @@
+"""Structured output: a verify masks each tree node as plain decode would after the
+node's path; greedy engines (plain, overlap, chains, paged trees) emit what
+``transformers`` emits under xgrammar's own logits processor, token for token; sampled
+trees always end in text the grammar accepts; bad grammars and options are refused
+naming their field."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specd.workers.engine.structured_output import Grammars, check_grammar_params
+from specd.workers.engine.types import FinishReason, Grammar, InvalidRequest, SamplingParams
+from specd.workers.openai_protocol import ChatCompletionRequest, CompletionRequest
+from specd.workers.testing import (
+    DEMO_EAGLE,
+    DEMO_TARGET,
+    collect,
+    demo_prompts,
+    metric_value,
+    request_held_tokens,
+    run_all,
+    start_engine,
+    start_spec_engine,
+)
+
+EOS = 1  # the demo target's
+VOCAB = 8192
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["list", "dict", "str"]},
+    },
+    "required": ["name", "ok", "kind"],
+}
+JSON_SCHEMA = Grammar("json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema")
+ANSWER = r"(yes|no|maybe), [0-9]{1,3}"
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(AutoTokenizer.from_pretrained(DEMO_TARGET), VOCAB, [EOS])
+
+
+def _allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    bits = (bitmask[row, :, None] >> torch.arange(32)) & 1
+    return set(torch.nonzero(bits.flatten()[:VOCAB]).flatten().tolist())
+
+
+def _tokens(text: str) -> list[int]:
+    return AutoTokenizer.from_pretrained(DEMO_TARGET).encode(text, add_special_tokens=False)
+
+
+# -- the masks, row by row ----------------------------------------------------------
+
+
+def test_a_tree_node_is_masked_as_plain_decode_after_its_path(grammars):
+    """Node i's row allows what a matcher fed the path root..i allows; a node its parent
+    refuses leaves its subtree open; the matcher ends where it started."""
+    [yes], [no], [comma], [x] = (_tokens(t) for t in ("yes", "no", ",", "x"))
+    #        root  yes  no   x   ,(yes) x(yes)  ,(x)  EOS(no)
+    tokens = [42, yes, no, x, comma, x, comma, EOS]
+    parents = [-1, 0, 0, 0, 1, 1, 3, 2]
+    params = SamplingParams(max_tokens=8, grammar=Grammar("regex", ANSWER))
+    state = grammars.state_for(params)
+    before = state.new_bitmask(1)
+    state.fill_row(before, 0)
+    bitmask = state.new_bitmask(len(tokens))
+    state.fill_tree(bitmask, tokens, parents)
+    for node in range(len(tokens)):
+        path, at = [], node
+        while at > 0:
+            path.insert(0, tokens[at])
+            at = parents[at]
+        fresh = grammars.state_for(params)
+        reachable = all(fresh.matcher.accept_token(t) for t in path)
+        if node in (3, 5, 6, 7):  # "x" refused, and below it; EOS before the number
+            assert not reachable and _allowed(bitmask, node) == set(range(VOCAB)), node
+            continue
+        assert reachable, node
+        want = fresh.new_bitmask(1)
+        fresh.fill_row(want, 0)
+        assert torch.equal(bitmask[node], want[0]), node
+    assert _allowed(bitmask, 4) - {EOS} and EOS not in _allowed(bitmask, 4)
+    after = state.new_bitmask(1)
+    state.fill_row(after, 0)
+    assert torch.equal(after, before)
+
+
+def test_a_stop_token_ends_the_matcher_and_later_tokens_are_ignored(grammars):
+    state = grammars.state_for(SamplingParams(grammar=Grammar("regex", "(yes|no)")))
+    state.advance([*_tokens("no"), EOS, 77])
+    assert state.matcher.is_terminated()
+    bitmask = state.new_bitmask(1)
+    state.fill_row(bitmask, 0)  # left open
+    assert _allowed(bitmask, 0) == set(range(VOCAB))
+    fresh = grammars.state_for(SamplingParams(grammar=Grammar("regex", "(yes|no)")))
+    with pytest.raises(RuntimeError, match="refused emitted token"):
+        fresh.advance(_tokens("maybe"))
+
+
+# -- refusals -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "grammar,message",
+    [
+        (
+            Grammar("json_schema", '{"type": "objectx"}', "response_format.json_schema.schema"),
+            r'^response_format\.json_schema\.schema: Unsupported type "objectx"',
+        ),
+        (Grammar("regex", "(a", "regex"), r"^regex: Regex parsing error at position 3"),
+        (Grammar("ebnf", "root ::= foo", "ebnf"), r'^ebnf: .*Rule "foo" is not defined'),
+    ],
+)
+def test_a_bad_grammar_is_refused_naming_its_field(grammars, grammar, message):
+    with pytest.raises(InvalidRequest, match=message):
+        grammars.state_for(SamplingParams(grammar=grammar))
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (dict(ignore_eos=True), r"^ignore_eos: cannot be combined with regex"),
+        (dict(min_tokens=3), r"^min_tokens: cannot be combined with regex"),
+    ],
+)
+def test_options_that_hold_back_the_end_are_refused(params, message):
+    with pytest.raises(InvalidRequest, match=message):
+        check_grammar_params(SamplingParams(grammar=Grammar("regex", "a+", "regex"), **params))
+    check_grammar_params(SamplingParams(**params))  # fine without a grammar
+
+
+CHAT = dict(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "body,grammar",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": SCHEMA},
+                }
+            },
+            Grammar("json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema"),
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            Grammar("json_object", "", "response_format"),
+        ),
+        ({"response_format": {"type": "text"}}, None),
+        ({"regex": "a+"}, Grammar("regex", "a+", "regex")),
+        ({"ebnf": 'root ::= "a"'}, Grammar("ebnf", 'root ::= "a"', "ebnf")),
+    ],
+)
+def test_requests_ask_for_a_grammar_on_both_endpoints(body, grammar):
+    chat = ChatCompletionRequest(**CHAT, **body).sampling_params(16)
+    completion = CompletionRequest(model="m", prompt="hi", **body).sampling_params(16)
+    assert chat.grammar == completion.grammar == grammar
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (
+            {"response_format": {"type": "json_object"}, "regex": "a"},
+            "send one output constraint, not response_format and regex",
+        ),
+        ({"response_format": {"type": "json_schema"}}, 'send json_schema (with its "schema")'),
+        ({"response_format": {"type": "xml"}}, "'text', 'json_object' or 'json_schema'"),
+    ],
+)
+def test_a_bad_response_format_is_refused(body, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ChatCompletionRequest(**CHAT, **body)
+
+
+# -- whole engines against transformers + xgrammar -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
+
+
+def peer_greedy(hf, grammars, prompt: list[int], grammar: Grammar, max_tokens: int) -> list[int]:
+    """transformers' greedy output under xgrammar's own logits processor, to EOS."""
+    ids = torch.tensor([prompt])
+    processor = xgr.contrib.hf.LogitsProcessor(grammars.compile(grammar))
+    gen = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        logits_processor=[processor],
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return gen[0, len(prompt) :].tolist()
+
+
+MAX_TOKENS = 48
+ENGINES = {
+    "plain overlap": lambda: start_engine(DEMO_TARGET, scheduler={"overlap": True}),
+    "chain": lambda: start_spec_engine(DEMO_TARGET, DEMO_EAGLE, steps=3),
+    "paged tree overlap": lambda: start_spec_engine(
+        DEMO_TARGET, DEMO_EAGLE, page_size=16, steps=3, topk=4, overlap=True
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def expected(hf, grammars):
+    """Prompts, grammars (one request unconstrained, sharing the batch) and the peer's
+    outputs; the JSON ones must validate, or the test proves nothing."""
+    prompts = demo_prompts(4, 40)
+    asked = [JSON_SCHEMA, Grammar("regex", ANSWER), Grammar("json_object"), None]
+    outputs = []
+    for prompt, grammar in zip(prompts, asked, strict=True):
+        if grammar is None:
+            outputs.append(None)
+            continue
+        out = peer_greedy(hf, grammars, prompt, grammar, MAX_TOKENS)
+        assert out[-1] == EOS, "the peer must finish inside the token budget"
+        outputs.append(out)
+    text = AutoTokenizer.from_pretrained(DEMO_TARGET).decode(outputs[0][:-1])
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return prompts, asked, outputs
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_greedy_structured_output_equals_transformers(kind, expected):
+    prompts, asked, outputs = expected
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                collect(engine, f"r{i}", p, max_tokens=MAX_TOKENS, grammar=g)
+                for i, (p, g) in enumerate(zip(prompts, asked, strict=True))
+            )
+        )
+
+    engine = ENGINES[kind]()
+    try:
+        got = asyncio.run(go())
+        free = run_all(engine, prompts[-1:], max_tokens=MAX_TOKENS)[0]
+        assert engine.status()["healthy"], engine.status()["last_error"]
+        if kind != "plain overlap":
+            assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
+    finally:
+        engine.shutdown()
+    assert request_held_tokens(engine) == 0
+    for (tokens, _text, last), want in zip(got[:3], outputs[:3], strict=True):
+        assert tokens == want
+        assert last.finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(got[0][1]), SCHEMA)
+    assert re.fullmatch(ANSWER, got[1][1])
+    assert isinstance(json.loads(got[2][1]), dict)
+    assert got[3][0] == free[0]  # the unconstrained neighbour is untouched
+
+
+def test_sampled_trees_always_end_in_text_the_grammar_accepts():
+    """Tree speculative sampling draws from the masked distribution: every seed ends in
+    a match, and the seeds do not all agree."""
+    engine = ENGINES["paged tree overlap"]()
+    try:
+        outs = [
+            run_all(
+                engine,
+                demo_prompts(3, 40),
+                max_tokens=MAX_TOKENS,
+                temperature=1.0,
+                seed=seed,
+                grammar=Grammar("regex", ANSWER),
+            )
+            for seed in (1, 2)
+        ]
+    finally:
+        engine.shutdown()
+    texts = [text for run in outs for _, text, _ in run]
+    assert all(last.finish_reason is FinishReason.STOP for run in outs for *_, last in run)
+    assert all(re.fullmatch(ANSWER, t) for t in texts), texts
+    assert len(set(texts)) > 1
+    assert request_held_tokens(engine) == 0
+
+
+def test_an_engine_refuses_a_bad_schema_with_a_400():
+    engine = start_engine(DEMO_TARGET)
+    bad = dataclasses.replace(JSON_SCHEMA, source='{"type": "objectx"}')
+    try:
+        _, _, last = asyncio.run(collect(engine, "bad", [5, 6, 7], grammar=bad))
+        good = asyncio.run(
+            collect(
+                engine, "good", demo_prompts(1, 40)[0], max_tokens=MAX_TOKENS, grammar=JSON_SCHEMA
+            )
+        )
+    finally:
+        engine.shutdown()
+    assert last.finish_reason is FinishReason.ERROR and last.error_code == 400
+    assert last.error.startswith("response_format.json_schema.schema: Unsupported type")
+    assert good[2].finish_reason is FinishReason.STOP
