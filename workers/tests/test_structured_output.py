@@ -1,8 +1,9 @@
 """Structured output: a verify masks each tree node as plain decode would after the
 node's path; greedy engines (plain, overlap, chains, paged trees) emit what
 ``transformers`` emits under xgrammar's own logits processor, token for token; sampled
-trees always end in text the grammar accepts; bad grammars and options are refused
-naming their field."""
+trees always end in text the grammar accepts; guided drafting makes even a random draft
+(EAGLE and EAGLE-3) accept the grammar's forced tokens; bad grammars and options are
+refused naming their field."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specd.workers.engine.structured_output import Grammars, check_grammar_params
 from specd.workers.engine.types import FinishReason, Grammar, InvalidRequest, SamplingParams
 from specd.workers.openai_protocol import ChatCompletionRequest, CompletionRequest
+from specd.workers.speculative.guided_draft import DraftGuide, mask_logprobs
+from specd.workers.speculative.tree import StepOut
 from specd.workers.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
@@ -31,6 +34,7 @@ from specd.workers.testing import (
     start_engine,
     start_spec_engine,
 )
+from specd.workers.tools.tiny_draft import make_tiny_eagle3
 
 EOS = 1  # the demo target's
 VOCAB = 8192
@@ -107,6 +111,50 @@ def test_a_stop_token_ends_the_matcher_and_later_tokens_are_ignored(grammars):
     fresh = grammars.state_for(SamplingParams(grammar=Grammar("regex", "(yes|no)")))
     with pytest.raises(RuntimeError, match="refused emitted token"):
         fresh.advance(_tokens("maybe"))
+
+
+def test_guided_draft_rows_allow_what_the_grammar_allows_after_each_path(grammars):
+    """Roots are masked at the emitted state, children after their kept paths, and the
+    masked log-probs are renormalized: a forced token's is 0 (drafted with certainty)."""
+    [yes], [no], [comma], [x] = (_tokens(t) for t in ("yes", "no", ",", "x"))
+    params = SamplingParams(grammar=Grammar("regex", ANSWER))
+    free = SamplingParams()
+    reqs = [_req_with(grammars, params), _req_with(grammars, free)]
+    guide = DraftGuide.for_batch(reqs, None)
+    logprobs = torch.log_softmax(torch.randn(2, VOCAB), -1)
+    roots = guide.roots(logprobs)
+    assert torch.equal(roots[1], logprobs[1])  # unconstrained
+    assert set(torch.nonzero(roots[0].isfinite()).flatten().tolist()) == _allowed_after(
+        grammars, params, []
+    )
+    guide.kept(StepOut(torch.tensor([[yes, x], [5, 6]]), torch.zeros(2, 2), torch.full((2, 2), -1)))
+    child = guide.children(torch.log_softmax(torch.randn(2, 2, VOCAB), -1))
+    assert child[0, 0].isfinite().nonzero().flatten().tolist() == [comma]  # forced
+    assert child[0, 0, comma].item() == pytest.approx(0.0, abs=1e-6)
+    assert child[0, 1].isfinite().all()  # "x" is refused: the row stays open
+    guide.kept(
+        StepOut(
+            torch.tensor([[comma, no], [5, 6]]), torch.zeros(2, 2), torch.tensor([[0, 1], [0, 0]])
+        )
+    )
+    assert guide.paths[0] == [[yes, comma], [x, no]]
+    assert torch.equal(
+        mask_logprobs(logprobs[:1], torch.zeros(1, VOCAB, dtype=torch.bool)), logprobs[:1]
+    )
+
+
+def _req_with(grammars, params: SamplingParams):
+    from specd.workers.scheduler.request import Req
+
+    return Req("r", [5], params, grammar=grammars.state_for(params) if params.grammar else None)
+
+
+def _allowed_after(grammars, params: SamplingParams, path: list[int]) -> set[int]:
+    state = grammars.state_for(params)
+    state.advance(path)
+    bitmask = state.new_bitmask(1)
+    state.fill_row(bitmask, 0)
+    return _allowed(bitmask, 0)
 
 
 # -- refusals -----------------------------------------------------------------------
@@ -293,6 +341,54 @@ def test_sampled_trees_always_end_in_text_the_grammar_accepts():
     assert all(last.finish_reason is FinishReason.STOP for run in outs for *_, last in run)
     assert all(re.fullmatch(ANSWER, t) for t in texts), texts
     assert len(set(texts)) > 1
+    assert request_held_tokens(engine) == 0
+
+
+FORCED = r"The answer is (yes|no)\."
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_guided_drafting_accepts_forced_tokens_even_from_a_random_draft(pair, algorithm, tmp_path):
+    """A random draft accepts almost nothing, but guided by the grammar it drafts the
+    forced literal with certainty: verify accepts it, and the output is the peer's.  The
+    EAGLE-3 head's reduced vocabulary holds the literal's tokens (as a frequency-ranked
+    one holds common text), at draft ids other than their target ids."""
+    target, eagle, _ = pair
+    tok = AutoTokenizer.from_pretrained(target)
+    literal = tok.encode("The answer is yes.no", add_special_tokens=False)
+    eagle3 = str(make_tiny_eagle3(tmp_path, target, keep_ids=[*literal, tok.eos_token_id]))
+    grammars = Grammars(
+        tok, AutoModelForCausalLM.from_pretrained(target).config.vocab_size, [tok.eos_token_id]
+    )
+    prompt = tok.encode("Structured output, please:", add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    grammar = Grammar("regex", FORCED)
+    ids = torch.tensor([prompt])
+    want = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=MAX_TOKENS,
+        logits_processor=[xgr.contrib.hf.LogitsProcessor(grammars.compile(grammar))],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    engine = start_spec_engine(
+        target,
+        eagle if algorithm == "EAGLE" else eagle3,
+        algorithm=algorithm,
+        page_size=4,
+        steps=3,
+        topk=2,
+    )
+    try:
+        [(tokens, text, last)] = run_all(engine, [prompt], max_tokens=MAX_TOKENS, grammar=grammar)
+        accepted = metric_value(engine, "specd_spec_accepted_tokens_total")
+    finally:
+        engine.shutdown()
+    assert tokens == want and re.fullmatch(FORCED, text)
+    forced = len(tok.encode("The answer is ", add_special_tokens=False))
+    assert accepted >= forced - 1, (accepted, forced)
     assert request_held_tokens(engine) == 0
 
 

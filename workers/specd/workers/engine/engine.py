@@ -343,6 +343,7 @@ class Engine:
                 ops=ops,
                 force_accept_len=self.knobs.force_accept_len,
                 processors=processors,
+                guided_drafts=not self.knobs.unguided_drafts,
             )
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
 

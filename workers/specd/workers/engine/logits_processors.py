@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.kernels.ops import host_tensor
-from specd.workers.engine.structured_output import GrammarState, apply_bitmask
+from specd.workers.engine.structured_output import GrammarState, mask_rows
 from specd.workers.engine.types import InvalidRequest, SamplingParams
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.stop import stop_token_ids
@@ -213,8 +213,9 @@ class LogitsProcessors:
                 st = self.state(req, logits.shape[-1], logits.device)
                 counts, generated = counts_of(st, b)
                 out[b] = process_rows(logits[b], req.params, st, counts, generated)
-            if req.grammar is not None:
-                apply_bitmask(out[b], masks_of(req.grammar, b))
+        constrained = [b for b in asking if reqs[b].grammar is not None]
+        if constrained:
+            mask_rows(out, constrained, [masks_of(reqs[b].grammar, b) for b in constrained])
         return out
 
     def record(self, reqs: Sequence[Req], tokens: torch.Tensor | Sequence[Sequence[int]]) -> None:

@@ -13,7 +13,8 @@ processors' counts are, so it is current under overlap.
   speculative sampling emits exactly what constrained decoding emits.  A node whose
   token its parent's mask refuses can never be accepted, so its subtree's rows stay open.
 
-Drafts are not constrained: the draft proposes, the masked target decides.  Once the
+Drafts are guided by the same grammar (``speculative/guided_draft.py``), which only
+raises acceptance: the masked target decides what is emitted.  Once the
 matcher accepted a stop token (EOS or a ``stop_token_ids`` id) its rows stay open: the
 request ends on that token.
 """
@@ -114,6 +115,19 @@ class GrammarState:
 
         visit(0)
 
+    def fill_paths(self, bitmask: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """Row j: the tokens allowed after ``paths[j]`` (tokens past the emitted ones);
+        a path the grammar refuses leaves its row open.  The state is kept."""
+        for row, path in enumerate(paths):
+            accepted = 0
+            for token in path:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    break
+                accepted += 1
+            else:
+                self.fill_row(bitmask, row)
+            self.matcher.rollback(accepted)
+
     def _allows(self, bitmask: torch.Tensor, row: int, token: int) -> bool:
         return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
 
@@ -127,9 +141,21 @@ class GrammarState:
                 raise RuntimeError(f"structured output: the grammar refused emitted token {token}")
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set the logits [R, V] of tokens ``bitmask`` [R, W] disallows to -inf, in place."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [R, W] -> bool [R, vocab_size]: which tokens each row allows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def mask_rows(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor]) -> None:
+    """Set to -inf, in place, the logits [B, R, V] of request ``rows[i]`` that
+    ``bitmasks[i]`` [R, W] disallows (one unpack and one fill for the whole batch)."""
+    vocab = logits.shape[-1]
+    allowed = allowed_tokens(torch.cat(list(bitmasks)), vocab).to(logits.device, non_blocking=True)
+    index = torch.tensor(list(rows), device=logits.device)
+    picked = logits[index]
+    logits[index] = picked.masked_fill(~allowed.view(picked.shape), float("-inf"))
 
 
 class Grammars:

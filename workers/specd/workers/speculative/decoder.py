@@ -47,6 +47,7 @@ from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.draft_loop import DraftInputs, DraftLoop
 from specd.workers.speculative.forced_accept import forced_accept
+from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.seq_lens import SeqLens
@@ -114,6 +115,7 @@ class SpecDecoder:
         ops: KernelOps = TORCH_OPS,
         force_accept_len: float | None = None,
         processors: LogitsProcessors | None = None,
+        guided_drafts: bool = True,
     ):
         self.target = target
         self.processors = processors or LogitsProcessors(())
@@ -131,6 +133,8 @@ class SpecDecoder:
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
         self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
+        self.guided_drafts = guided_drafts  # constrained requests draft what their grammar allows
+        self._draft_vocab = head.draft_vocab_targets()  # guided drafting's id map
         self.graphs = None  # SpecGraphs once the engine enables CUDA graphs
 
     def layout_for(self, rung: Rung) -> TreeLayout:
@@ -201,7 +205,8 @@ class SpecDecoder:
         guesses = None
         if rung.speculates:
             self._duplicate_prefix_tails(rows, roots, layout)
-            tree = self._draft_tree(rows, states, layout, rung)
+            guide = DraftGuide.for_batch(reqs, self._draft_vocab) if self.guided_drafts else None
+            tree = self._draft_tree(rows, states, layout, rung, guide)
         else:
             guesses = self._draft_guesses(states)
             tree = build_tree(self._root_tokens(states), [], 1, self.ops)
@@ -296,15 +301,20 @@ class SpecDecoder:
         return self.head.logprobs(torch.stack([s.logit_hidden for s in states]))
 
     def _draft_tree(
-        self, rows: list[int], states: list[DraftState], layout: TreeLayout, rung: Rung
+        self,
+        rows: list[int],
+        states: list[DraftState],
+        layout: TreeLayout,
+        rung: Rung,
+        guide: DraftGuide | None,
     ) -> DraftTree:
         """The draft loop (``draft_loop.py``) for these requests: a graph replay when one
-        fits the batch, else eagerly."""
+        fits the batch and none is guided by a grammar, else eagerly."""
         roots = [s.root_position for s in states]
         root_tokens = [s.root_token for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]
         root_hidden = torch.stack([s.logit_hidden for s in states])  # [bs, H]
-        if self.graphs is not None:
+        if self.graphs is not None and guide is None:
             tree = self.graphs.run_draft(rung, rows, roots, root_tokens, root_feats, root_hidden)
             if tree is not None:
                 return tree
@@ -312,7 +322,7 @@ class SpecDecoder:
         x = DraftInputs.view(
             host_tensor(ints, self.device), layout, len(rows), root_feats, root_hidden, kv_lens
         )
-        return self.draft_loop.run(x, layout, rung.draft_tokens)
+        return self.draft_loop.run(x, layout, rung.draft_tokens, guide=guide)
 
     def _verify_forward(
         self, rows: list[int], roots: list[int], tree: DraftTree

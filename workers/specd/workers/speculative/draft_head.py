@@ -52,3 +52,11 @@ class DraftHead:
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.draft_to_target(ids) if self.is_eagle3 else ids
+
+    def draft_vocab_targets(self) -> torch.Tensor | None:
+        """[V_draft]: the target id of each draft token, None when the vocabularies agree."""
+        if not self.is_eagle3:
+            return None
+        return self.model.draft_to_target(
+            torch.arange(self.model.d2t.shape[0], device=self.model.d2t.device)
+        )

@@ -27,6 +27,7 @@ from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.tree import DraftTree, StepOut, build_tree, expand_step, first_step
 
@@ -141,13 +142,18 @@ class DraftLoop:
         layout: TreeLayout,
         num_tokens: int,
         graph_plans: list[Any] | None = None,
+        guide: DraftGuide | None = None,
     ) -> DraftTree:
         """The tree of T = ``num_tokens`` nodes for each of x's requests.  With
         ``graph_plans`` (one static attention plan per draft step, its lengths already
-        planned) each step's KV indices are written into the plan on the device."""
+        planned) each step's KV indices are written into the plan on the device; with
+        ``guide``, constrained requests draft only what their grammar allows (eager)."""
         k = layout.topk
         batch = x.rows.shape[0]
-        steps = [self._to_target(first_step(self.head.logprobs(x.root_hidden), k))]
+        root_logprobs = self.head.logprobs(x.root_hidden)
+        if guide is not None:
+            root_logprobs = guide.roots(root_logprobs)
+        steps = [self._kept(first_step(root_logprobs, k), guide)]
         feats = x.root_feats[:, None, :].expand(-1, k, -1)  # [B, k, H] inputs of step 1
         ancestors = x.ints.new_zeros((batch, k, 0))  # [B, k, s]: none before step 1
         node_rows = x.rows.repeat_interleave(k)  # [B*k]
@@ -164,7 +170,9 @@ class DraftLoop:
             )
             feats = next_feats.view(batch, k, -1)
             child = self.head.logprobs(logit_hidden).view(batch, k, -1)
-            steps.append(self._to_target(expand_step(prev, child, k)))
+            if guide is not None:
+                child = guide.children(child)
+            steps.append(self._kept(expand_step(prev, child, k), guide))
         return build_tree(x.root_tokens, steps, num_tokens, self.ops)
 
     def _step_plan(
@@ -195,5 +203,9 @@ class DraftLoop:
         )
         return plan
 
-    def _to_target(self, step: StepOut) -> StepOut:
-        return dataclasses.replace(step, tokens=self.head.to_target_ids(step.tokens))
+    def _kept(self, step: StepOut, guide: DraftGuide | None) -> StepOut:
+        """A step's nodes in target ids (the guide records their paths)."""
+        step = dataclasses.replace(step, tokens=self.head.to_target_ids(step.tokens))
+        if guide is not None:
+            guide.kept(step)
+        return step

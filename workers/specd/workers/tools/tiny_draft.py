@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,12 @@ def make_tiny_eagle3(
     dtype: str = "float32",
     aux_layer_ids: list[int] | None = None,
     weights_format: str = "bin",
+    keep_ids: Sequence[int] = (),
 ) -> Path:
     """Write an EAGLE-3 head for the target in ``target_dir``; returns ``out_dir``.
 
-    The draft vocabulary is ``draft_vocab_size`` target ids drawn at random (sorted, as
-    the reference's frequency-ranked set is).  ``aux_layer_ids`` writes
+    The draft vocabulary is ``draft_vocab_size`` target ids: ``keep_ids``, then ids drawn
+    at random (sorted, as the reference's frequency-ranked set is).  ``aux_layer_ids`` writes
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` (output-of-layer indices).
     """
     spec = dict(
@@ -99,6 +101,7 @@ def make_tiny_eagle3(
         dtype=dtype,
         aux_layer_ids=aux_layer_ids,
         weights_format=weights_format,
+        keep_ids=sorted(set(keep_ids)),
     )
     out = _prepare(out_dir, spec)
     if out is None:
@@ -124,7 +127,9 @@ def make_tiny_eagle3(
         weights[f"midlayer.{norm}.weight"] = _norm(g, hidden)
     weights["norm.weight"] = _norm(g, hidden)
     weights["lm_head.weight"] = _linear(g, draft_vocab_size, hidden)
-    used = torch.randperm(vocab, generator=g)[:draft_vocab_size].sort().values  # target ids
+    kept = set(keep_ids)
+    drawn = [i for i in torch.randperm(vocab, generator=g).tolist() if i not in kept]
+    used = torch.tensor(sorted([*kept, *drawn][:draft_vocab_size]))  # target ids
     weights["d2t"] = used - torch.arange(draft_vocab_size)  # int64
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
