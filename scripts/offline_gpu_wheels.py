@@ -1,6 +1,6 @@
 """Wheels for running specd's GPU checks on an offline CUDA host whose image already has
-PyTorch and Triton (a stock PyTorch image): pydantic and its parts, and with
-``--flashinfer`` flashinfer-python and its JIT runtime (apache-tvm-ffi).
+PyTorch and Triton (a stock PyTorch image): pydantic and its parts, xgrammar and its
+runtime (apache-tvm-ffi), and with ``--flashinfer`` flashinfer-python.
 
     python scripts/offline_gpu_wheels.py OUT_DIR [--flashinfer] [--python-version 3.12]
     # on the host:  SPECD_WHEELS=OUT_DIR bash scripts/gpu_check.sh tests
@@ -22,8 +22,15 @@ import sys
 import zipfile
 from pathlib import Path
 
-BASE = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
-FLASHINFER = ["flashinfer-python>=0.7.2,<0.8", "apache-tvm-ffi>=0.1.11,<0.2"]
+BASE = [
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "xgrammar>=0.2.8,<0.3",
+    "apache-tvm-ffi>=0.1.11,<0.2",
+]
+FLASHINFER = ["flashinfer-python>=0.7.2,<0.8"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64"]
 
 

@@ -288,21 +288,38 @@ def expected(hf, grammars):
     return prompts, asked, outputs
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-def test_greedy_structured_output_equals_transformers(kind, expected):
-    prompts, asked, outputs = expected
+def run_constrained(engine, prompts, asked, max_tokens=MAX_TOKENS):
+    """Every prompt at once, each with its grammar (None: free) -> (tokens, text, last)."""
 
     async def go():
         return await asyncio.gather(
             *(
-                collect(engine, f"r{i}", p, max_tokens=MAX_TOKENS, grammar=g)
+                collect(engine, f"r{i}", p, max_tokens=max_tokens, grammar=g)
                 for i, (p, g) in enumerate(zip(prompts, asked, strict=True))
             )
         )
 
+    return asyncio.run(go())
+
+
+def check_follows_grammars(got, json_mode_may_run_on: bool = False) -> None:
+    """The ``expected`` requests' texts: the schema, the regex, JSON mode, each ended by
+    EOS (JSON mode is unbounded: another model's text may run past the budget)."""
+    assert all(last.finish_reason is FinishReason.STOP for *_, last in got[:2])
+    jsonschema.validate(json.loads(got[0][1]), SCHEMA)
+    assert re.fullmatch(ANSWER, got[1][1])
+    if json_mode_may_run_on and got[2][2].finish_reason is FinishReason.LENGTH:
+        return
+    assert got[2][2].finish_reason is FinishReason.STOP
+    assert isinstance(json.loads(got[2][1]), dict)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_greedy_structured_output_equals_transformers(kind, expected):
+    prompts, asked, outputs = expected
     engine = ENGINES[kind]()
     try:
-        got = asyncio.run(go())
+        got = run_constrained(engine, prompts, asked)
         free = run_all(engine, prompts[-1:], max_tokens=MAX_TOKENS)[0]
         assert engine.status()["healthy"], engine.status()["last_error"]
         if kind != "plain overlap":
@@ -310,12 +327,8 @@ def test_greedy_structured_output_equals_transformers(kind, expected):
     finally:
         engine.shutdown()
     assert request_held_tokens(engine) == 0
-    for (tokens, _text, last), want in zip(got[:3], outputs[:3], strict=True):
-        assert tokens == want
-        assert last.finish_reason is FinishReason.STOP
-    jsonschema.validate(json.loads(got[0][1]), SCHEMA)
-    assert re.fullmatch(ANSWER, got[1][1])
-    assert isinstance(json.loads(got[2][1]), dict)
+    assert [g[0] for g in got[:3]] == outputs[:3]
+    check_follows_grammars(got)
     assert got[3][0] == free[0]  # the unconstrained neighbour is untouched
 
 
@@ -407,3 +420,40 @@ def test_an_engine_refuses_a_bad_schema_with_a_400():
     assert last.finish_reason is FinishReason.ERROR and last.error_code == 400
     assert last.error.startswith("response_format.json_schema.schema: Unsupported type")
     assert good[2].finish_reason is FinishReason.STOP
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ("triton", "flashinfer"))
+def test_cuda_backends_run_structured_output_with_graphs(backend, expected):
+    """Each CUDA backend with graphs (guided batches draft eagerly beside captured
+    verify): float32 equals the peer token for token; bf16 output still follows every
+    grammar."""
+    from specd.kernels import available_backends
+
+    caps = available_backends().get(backend)
+    if caps is None:
+        pytest.fail(f"{backend} is not installed on this CUDA machine (scripts/gpu_check.sh)")
+    dtype = "float32" if torch.float32 in caps.dtypes else "bfloat16"
+    engine = start_engine(
+        DEMO_TARGET,
+        device="cuda",
+        attentionBackend=backend,
+        cudaGraph={"maxBatchSize": 4},
+        model={"dtype": dtype},
+        scheduler={"overlap": True, "chunkedPrefillSize": 16},
+        kvCache={"pageSize": 16, "maxTokens": 4096},
+        draft={"path": DEMO_EAGLE},
+        speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        debug={"strictMemCheck": 1},
+    )
+    prompts, asked, outputs = expected
+    try:
+        got = run_constrained(engine, prompts, asked, max_tokens=2 * MAX_TOKENS)
+        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
+    finally:
+        engine.shutdown()
+    assert request_held_tokens(engine) == 0
+    if dtype == "float32":
+        assert [g[0] for g in got[:3]] == outputs[:3]
+    check_follows_grammars(got, json_mode_may_run_on=dtype != "float32")

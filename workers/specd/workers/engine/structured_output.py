@@ -152,7 +152,8 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torc
     """Set to -inf, in place, the logits [B, R, V] of request ``rows[i]`` that
     ``bitmasks[i]`` [R, W] disallows (one unpack and one fill for the whole batch)."""
     vocab = logits.shape[-1]
-    allowed = allowed_tokens(torch.cat(list(bitmasks)), vocab).to(logits.device, non_blocking=True)
+    bitmask = torch.cat(list(bitmasks)).to(logits.device, non_blocking=True)  # unpacked there
+    allowed = allowed_tokens(bitmask, vocab)
     index = torch.tensor(list(rows), device=logits.device)
     picked = logits[index]
     logits[index] = picked.masked_fill(~allowed.view(picked.shape), float("-inf"))

@@ -88,7 +88,8 @@ class DraftGuide:
         picked = out[index]  # [n, ..., V_draft]
         vocab = picked.shape[-1]
         target_vocab = int(bitmasks[0].shape[1]) * 32
-        allowed = allowed_tokens(torch.cat(bitmasks), target_vocab).to(logprobs.device)
+        bitmask = torch.cat(bitmasks).to(logprobs.device, non_blocking=True)  # unpacked there
+        allowed = allowed_tokens(bitmask, target_vocab)
         allowed = (
             allowed[:, self.draft_to_target]
             if self.draft_to_target is not None
