@@ -305,6 +305,51 @@ def test_structured_output_through_the_openai_client(gateway):
     assert done.choices[0].finish_reason == "stop" and done.choices[0].text in ("yes!", "no!")
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Oslo", "Lima"]}, "celsius": {"type": "boolean"}},
+            "required": ["city", "celsius"],
+        },
+    },
+}
+
+
+def test_tool_calls_through_the_openai_client(gateway):
+    """``required`` and a named function come back as the SDK's tool calls (streamed
+    too: the SDK reassembles them), and the call goes back as a turn of the chat."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    ask = dict(model=MODEL, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=160)
+    done = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+    assert done.choices[0].finish_reason == "tool_calls"
+    calls = done.choices[0].message.tool_calls
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    assert json.loads(calls[0].function.arguments)["city"] in ("Oslo", "Lima")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    one = client.chat.completions.create(**ask, tool_choice=named)
+    assert one.choices[0].finish_reason == "stop"
+    [call] = one.choices[0].message.tool_calls
+    streamed = [
+        d.tool_calls
+        for chunk in client.chat.completions.create(**ask, tool_choice=named, stream=True)
+        for d in [chunk.choices[0].delta]
+        if d.tool_calls
+    ]
+    assert [[c.function.arguments for c in s] for s in streamed] == [[call.function.arguments]]
+    follow_up = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 C"},
+    ]
+    reply = client.chat.completions.create(
+        **{**ask, "messages": follow_up, "max_tokens": 8}, tool_choice="none"
+    )
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+
+
 def test_tokenize_counts_what_a_request_would_send(http):
     """/tokenize gives the ids (and count) a completion or a chat request sends the
     model: the same count as that request's usage; /detokenize inverts it."""
@@ -577,6 +622,27 @@ BAD_INPUTS = {
     "bad regex": (CMPL, {**A, "regex": "(a"}, 400, "regex"),
     "two output constraints": (CMPL, {**A, "regex": "a", "ebnf": 'root ::= "a"'}, 400, None),
     "grammar with ignore_eos": (CMPL, {**A, "regex": "a+", "ignore_eos": True}, 400, "ignore_eos"),
+    "tools with auto": (
+        CHAT,
+        {
+            **M,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        400,
+        "tool_choice",
+    ),
+    "tool_choice naming no tool": (
+        CHAT,
+        {
+            **M,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+    ),
     "session_id, sessions disabled": (CMPL, {**A, "session_id": "x.y"}, 400, "session_id"),
     "chat session_id, sessions disabled": (
         CHAT,

@@ -326,7 +326,7 @@ class _Api:
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The chat template over ``messages`` (a session turn: the new messages only)."""
         try:
-            return apply_chat_template(self.tokenizer, body.chat_messages())
+            return apply_chat_template(self.tokenizer, body.chat_messages(), body.template_tools())
         except Exception as err:  # jinja template errors: the messages do not fit the template
             raise ApiError(
                 400, f"messages: the model's chat template refused them: {err}", "messages"
@@ -569,8 +569,10 @@ class _Api:
                     break
                 finish = delta.finish_reason.value if delta.finished else None
                 logprobs = self.logprobs_of(delta)
-                if delta.text or finish or logprobs:
-                    yield _sse(fmt.chunk(rid, model, i, delta.text, finish, logprobs))
+                if (delta.text or finish or logprobs) and (
+                    chunk := fmt.chunk(rid, model, i, delta.text, finish, logprobs)
+                ) is not None:
+                    yield _sse(chunk)
                 if delta.finished and delta.usage is not None:
                     usages[i] = delta.usage
             if include_usage and not failed and len(usages) == len(streams):
@@ -635,7 +637,8 @@ def build_app(
         prompt = api.chat_prompt(body)
         # OpenAI's chat default: as long as the context allows (the engine stops there)
         default_max_tokens = max(1, context_length - len(prompt))
-        return await api.generate(request, body, ChatFormat(), prompt, default_max_tokens)
+        fmt = ChatFormat(body.tool_choice_name())
+        return await api.generate(request, body, fmt, prompt, default_max_tokens)
 
     @app.post("/v1/sessions")
     async def open_session() -> Response:

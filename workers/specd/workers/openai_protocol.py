@@ -33,11 +33,12 @@ from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.types import Grammar, SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
+from specd.workers.tool_calls import NO_PARAMETERS, ToolCallReader, tool_grammar
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 
 
 class _Lenient(BaseModel):
@@ -304,33 +305,143 @@ class TextPart(_Lenient):
     text: str
 
 
+class CalledFunction(_Lenient):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Lenient):
+    """A call in an assistant message (a response's, or a request's earlier turn)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallOut] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as an object."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+
+def _arguments(call: ToolCallOut) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template reads them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [m.for_template() for m in messages]
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+def tools_for_template(tools: list[ToolParam] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (None: no tools)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
-    _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": ([],),
-    }
-
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, validate_default=True
+    )
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools share a name")
+        if not names:
+            if value not in (None, "none"):
+                raise ValueError("needs tools to choose from")
+            return value
+        if value in (None, "auto"):
+            raise ValueError(
+                '"auto" (the default with tools) is not supported: this server does not '
+                'parse free-form tool calls; send "required", a named function '
+                '({"type": "function", "function": {"name": ...}}) or "none"'
+            )
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"names {value.function.name!r}, which is not one of the tools")
+        fmt = info.data.get("response_format")
+        others = (
+            fmt is not None and fmt.type != "text",
+            info.data.get("regex"),
+            info.data.get("ebnf"),
+        )
+        if value != "none" and any(o for o in others):
+            raise ValueError(
+                "a tool call is the output's constraint: send no response_format, regex or ebnf"
+            )
+        return value
+
+    def tool_choice_name(self) -> str | None:
+        """``"required"``, the named function, or None (no call is made)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
+
+    def grammar(self) -> Grammar | None:
+        choice = self.tool_choice_name()
+        if choice is None:
+            return super().grammar()
+        schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in self.tools}
+        return tool_grammar(schemas, choice, self.parallel_tool_calls)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return tools_for_template(self.tools)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -345,7 +456,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
 
 
@@ -356,6 +467,7 @@ class TokenizeRequest(_Lenient):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    tools: list[ToolParam] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -366,8 +478,11 @@ class TokenizeRequest(_Lenient):
             raise ValueError("send either prompt (completions) or messages (chat), not both")
         return value
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages or [])
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return tools_for_template(self.tools)
 
 
 class DetokenizeRequest(_Lenient):
@@ -515,7 +630,8 @@ class CompletionResponse(ResponseBase):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -530,9 +646,14 @@ class ChatCompletionResponse(ResponseBase):
     choices: list[ChatChoice]
 
 
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -642,7 +763,7 @@ class ResponseFormat(Protocol):
 
     def chunk(
         self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
-    ) -> ResponseBase: ...
+    ) -> ResponseBase | None: ...
 
     def usage_chunk(self, rid: str, model: str, usage: UsageInfo) -> ResponseBase: ...
 
@@ -722,20 +843,40 @@ class CompletionFormat:
 
 
 class ChatFormat:
+    """Chat responses and chunks; with ``tool_choice`` (``"required"`` or a function's
+    name) the output is read back as tool calls, and a stream holds each choice's text
+    until it ends (a call is sent whole, as one delta)."""
+
     id_prefix = "chatcmpl-"
+
+    def __init__(self, tool_choice: str | None = None):
+        self.tools = ToolCallReader(tool_choice) if tool_choice is not None else None
+        self._held: dict[int, tuple[str, list[RenderedLogprob] | None]] = {}
+
+    def _message(self, text: str, finish: str) -> tuple[ChatMessageOut, str]:
+        calls = self.tools.calls(text) if self.tools is not None and finish == "stop" else None
+        if calls is None:
+            return ChatMessageOut(content=text), finish
+        out = [
+            ToolCallOut(id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        return ChatMessageOut(content=None, tool_calls=out), self.tools.finish_reason(finish)
 
     def response(
         self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
     ) -> ChatCompletionResponse:
-        out = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                finish_reason=c.finish,
-                logprobs=chat_logprobs(c.logprobs),
+        out = []
+        for c in choices:
+            message, finish = self._message(c.text, c.finish)
+            out.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    finish_reason=finish,
+                    logprobs=chat_logprobs(c.logprobs),
+                )
             )
-            for c in choices
-        ]
         return ChatCompletionResponse(id=rid, model=model, choices=out, usage=usage)
 
     def opening_chunk(self, rid: str, model: str, index: int) -> ChatCompletionChunk:
@@ -745,12 +886,24 @@ class ChatFormat:
 
     def chunk(
         self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
-    ) -> ChatCompletionChunk:
+    ) -> ChatCompletionChunk | None:
+        delta = ChatDelta(content=text or None)
+        if self.tools is not None:  # held until the choice ends
+            held, held_logprobs = self._held.pop(index, ("", None))
+            text = held + text
+            if logprobs is not None:
+                logprobs = [*(held_logprobs or []), *logprobs]
+            if finish is None:
+                self._held[index] = (text, logprobs)
+                return None
+            message, finish = self._message(text, finish)
+            calls = [
+                ToolCallDelta(index=j, **call.model_dump())
+                for j, call in enumerate(message.tool_calls or [])
+            ]
+            delta = ChatDelta(content=message.content or None, tool_calls=calls or None)
         choice = ChatChunkChoice(
-            index=index,
-            delta=ChatDelta(content=text or None),
-            finish_reason=finish,
-            logprobs=chat_logprobs(logprobs),
+            index=index, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs)
         )
         return ChatCompletionChunk(id=rid, model=model, choices=[choice])
 

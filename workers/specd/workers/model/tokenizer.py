@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -36,15 +37,19 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def apply_chat_template(
-    tok: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]
+    tok: PreTrainedTokenizerBase,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` followed by the assistant generation prompt.
+    """Token ids of ``messages`` (and the ``tools`` a template may list) followed by the
+    assistant generation prompt.
 
     The text already carries the template's special tokens (bos included), so it is
     encoded without adding more.
     """
     text = tok.apply_chat_template(
         list(messages),
+        tools=list(tools) if tools else None,
         chat_template=None if tok.chat_template else FALLBACK_CHAT_TEMPLATE,
         add_generation_prompt=True,
         tokenize=False,
