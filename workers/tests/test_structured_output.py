@@ -243,7 +243,9 @@ def hf():
     return AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32)
 
 
-def peer_greedy(hf, grammars, prompt: list[int], grammar: Grammar, max_tokens: int) -> list[int]:
+def peer_greedy(
+    hf, grammars, prompt: list[int], grammar: Grammar, max_tokens: int, eos: int = EOS
+) -> list[int]:
     """transformers' greedy output under xgrammar's own logits processor, to EOS."""
     ids = torch.tensor([prompt])
     processor = xgr.contrib.hf.LogitsProcessor(grammars.compile(grammar))
@@ -253,7 +255,7 @@ def peer_greedy(hf, grammars, prompt: list[int], grammar: Grammar, max_tokens: i
         do_sample=False,
         max_new_tokens=max_tokens,
         logits_processor=[processor],
-        eos_token_id=EOS,
+        eos_token_id=eos,
         pad_token_id=0,
     )
     return gen[0, len(prompt) :].tolist()
@@ -376,16 +378,7 @@ def test_guided_drafting_accepts_forced_tokens_even_from_a_random_draft(pair, al
     prompt = tok.encode("Structured output, please:", add_special_tokens=False)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     grammar = Grammar("regex", FORCED)
-    ids = torch.tensor([prompt])
-    want = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=MAX_TOKENS,
-        logits_processor=[xgr.contrib.hf.LogitsProcessor(grammars.compile(grammar))],
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=0,
-    )[0, len(prompt) :].tolist()
+    want = peer_greedy(hf, grammars, prompt, grammar, MAX_TOKENS, eos=tok.eos_token_id)
     engine = start_spec_engine(
         target,
         eagle if algorithm == "EAGLE" else eagle3,
