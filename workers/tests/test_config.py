@@ -60,6 +60,11 @@ def test_defaults():
             id="routing-balance",
         ),
         pytest.param(
+            {"toolCalls": {"parser": "mistral"}},
+            "spec.toolCalls.parser: Input should be 'hermes' or 'llama3_json'",
+            id="tool-calls-parser",
+        ),
+        pytest.param(
             {"draft": {"path": "d"}, "speculative": {"numSteps": 3, "numDraftTokens": 5}},
             "spec.speculative: Value error, numDraftTokens must be numSteps + 1 = 4",
             id="chain-tokens",
@@ -187,12 +192,15 @@ def test_relative_paths_resolve_against_the_file(tmp_path):
     assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
 
 
-def test_config_hash_ignores_replicas_and_routing_only():
-    """Neither changes what a replica runs: scaling or re-routing rolls no replica."""
+def test_config_hash_ignores_replicas_routing_and_tool_calls_only():
+    """None changes what a replica runs: scaling, re-routing or a tool-call parser rolls
+    no replica."""
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
     routed = doc(routing={"policy": "leastLoad", "cacheThreshold": 0.9})
     assert a.config_hash() == parse_deployment(routed).spec.config_hash()
+    parsed = doc(toolCalls={"parser": "hermes"})
+    assert a.config_hash() == parse_deployment(parsed).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
 
 

@@ -777,6 +777,46 @@ def test_a_routing_change_applies_without_rolling_a_replica(http, gateway):
         in_loop(gateway, pool.update_spec, old)
 
 
+def test_auto_tool_choice_follows_the_configured_parser_without_a_roll(gateway):
+    """``spec.toolCalls.parser`` set live: ``auto`` (the SDK's default with tools) is
+    served, a model that opens no call answers in text, streamed alike; nothing rolls."""
+    pool = gateway.pool
+    old, names = pool.spec, {r.name for r in pool.ready()}
+    new = old.model_copy(
+        update={"tool_calls": old.tool_calls.model_copy(update={"parser": "hermes"})}
+    )
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    ask = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello"}],
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=16,
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask)
+    assert (
+        err.value.body["param"] == "tool_choice"
+        and "spec.toolCalls.parser" in err.value.body["message"]
+    )
+    try:
+        in_loop(gateway, pool.update_spec, new)
+        done = client.chat.completions.create(**ask)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**ask, stream=True)
+        )
+        assert pool.converged() and {r.name for r in pool.ready()} == names  # nothing rolled
+    finally:
+        in_loop(gateway, pool.update_spec, old)
+    message = done.choices[0].message
+    if message.tool_calls:  # a random model may open a call: it is then a valid one
+        assert all(c.function.name == "get_weather" for c in message.tool_calls)
+        assert done.choices[0].finish_reason == "tool_calls"
+    else:
+        assert message.content == streamed and done.choices[0].finish_reason == "length"
+
+
 def aborts(http) -> float:
     return sum(s.value for s in metric_families(http)["specd_aborts"].samples)
 

@@ -1,7 +1,9 @@
 """Tool calls: ``tool_choice`` ``"required"`` or a named function becomes a grammar over
 the tools' schemas; an engine's constrained output reads back as OpenAI ``tool_calls``
-whose arguments validate; a stream holds a calling choice's text and sends each call
-whole; bad tool requests are refused naming ``tool_choice``."""
+whose arguments validate; ``"auto"``'s structural tag holds a call the model opens in
+its family's format (hermes, llama3_json) and leaves other text free, and the call is
+parsed out of the text; a stream holds a calling choice's text from where a call opens
+and sends each call whole; bad tool requests are refused naming ``tool_choice``."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import json
 import jsonschema
 import pytest
 
+from specd.workers.engine.types import SamplingParams
 from specd.workers.openai_protocol import ChatCompletionRequest, ChatFormat, ChoiceResult
 from specd.workers.testing import DEMO_TARGET, collect, demo_prompts, start_engine
-from specd.workers.tool_calls import ToolCallReader
+from specd.workers.tool_calls import CALL_FORMATS, ToolCallReader
 
 WEATHER = {
     "type": "object",
@@ -24,7 +27,12 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "get_time", "description": "now"}},
 ]
-CHAT = dict(model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS)
+CHAT = dict(
+    model="m",
+    messages=[{"role": "user", "content": "Weather in Oslo?"}],
+    tools=TOOLS,
+    temperature=0,
+)
 
 
 def _request(**extra) -> ChatCompletionRequest:
@@ -38,8 +46,8 @@ def engine():
     engine.shutdown()
 
 
-def _generate(engine, request: ChatCompletionRequest) -> tuple[str, str]:
-    params = request.sampling_params(96)
+def _generate(engine, request: ChatCompletionRequest, parser=None) -> tuple[str, str]:
+    params = request.sampling_params(96, tool_parser=parser)
     _, text, last = asyncio.run(collect(engine, "t", demo_prompts(1, 40)[0], **_fields(params)))
     return text, last.finish_reason.value
 
@@ -53,8 +61,8 @@ def test_required_calls_name_a_tool_and_validate(engine, parallel):
     request = _request(tool_choice="required", parallel_tool_calls=parallel)
     text, finish = _generate(engine, request)
     assert finish == "stop"
-    calls = ToolCallReader("required").calls(text)
-    assert calls and (parallel or len(calls) == 1)
+    content, calls, _ = ToolCallReader("required").message(text, finish)
+    assert content is None and calls and (parallel or len(calls) == 1)
     for call in calls:
         assert call.name in ("get_weather", "get_time") and call.id.startswith("call_")
         if call.name == "get_weather":
@@ -130,11 +138,94 @@ def test_earlier_calls_reach_the_chat_template_as_objects():
     assert [t["function"]["name"] for t in request.template_tools()] == ["get_weather", "get_time"]
 
 
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "celsius": true}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "celsius": true}}'
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,names",
+    [
+        ("hermes", f"Checking.{HERMES_CALL}", "Checking.", ["get_weather"]),
+        (
+            "hermes",
+            f"{HERMES_CALL}\n{HERMES_CALL.replace('Oslo', 'Lima')}",
+            None,
+            ["get_weather"] * 2,
+        ),
+        ("hermes", 'Hi <tool_call>{"name": broken', 'Hi <tool_call>{"name": broken', []),
+        ("hermes", "No call needed.", "No call needed.", []),
+        ("llama3_json", LLAMA_CALL, None, ["get_weather"]),
+        (
+            "llama3_json",
+            f'{LLAMA_CALL}; {{"name": "get_time", "parameters": {{}}}}',
+            None,
+            ["get_weather", "get_time"],
+        ),
+        ("llama3_json", "It is cold.", "It is cold.", []),
+    ],
+)
+def test_auto_reads_calls_in_the_model_familys_format(parser, text, content, names):
+    got_content, calls, finish = ToolCallReader("auto", parser).message(text, "stop")
+    assert got_content == content and [c.name for c in calls] == names
+    assert finish == ("tool_calls" if names else "stop")
+    if names:
+        assert json.loads(calls[0].arguments) in ({"city": "Oslo", "celsius": True}, {})
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_auto_grammar_holds_an_opened_call_to_a_tool(engine, parser):
+    """Free text passes (an engine's greedy output under it is its free output), a call
+    in the family's format passes, a call to no tool or with bad arguments does not."""
+    grammars = engine.grammars
+    params = _request(tool_choice="auto").sampling_params(96, tool_parser=parser)
+
+    def accepts(text: str) -> bool:
+        return grammars.state_for(params).matcher.accept_string(text)
+
+    call = HERMES_CALL if parser == "hermes" else LLAMA_CALL
+    assert accepts(f"Let me look that up. {call}")
+    assert not accepts(call.replace("get_weather", "get_stock"))
+    assert not accepts(call.replace('"celsius": true', '"celsius": 3'))
+    free, _ = _generate(engine, _request(tool_choice="none"))
+    constrained, _ = _generate(engine, _request(tool_choice="auto"), parser)
+    assert constrained == free and CALL_FORMATS[parser].trigger not in free
+
+
+def test_an_auto_stream_sends_text_until_a_call_opens():
+    fmt = ChatFormat("auto", "hermes")
+    first = fmt.chunk("r", "m", 0, "Checking <tool", None, None)
+    assert first.choices[0].delta.content == "Checking "  # "<tool" might open a call
+    assert fmt.chunk("r", "m", 0, '_call>\n{"name": "get_weather", ', None, None) is None
+    rest = HERMES_CALL[len('<tool_call>\n{"name": "get_weather", ') :]
+    last = fmt.chunk("r", "m", 0, rest, "stop", None)
+    [call] = last.choices[0].delta.tool_calls
+    assert call.function.name == "get_weather" and last.choices[0].finish_reason == "tool_calls"
+    plain = ChatFormat("auto", "hermes")
+    assert plain.chunk("r", "m", 0, "a < b", None, None).choices[0].delta.content == "a < b"
+
+
+def test_a_structural_tag_response_format_is_compiled(engine):
+    tag = CALL_FORMATS["hermes"].structural_tag({"get_weather": WEATHER})
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "x"}], response_format=tag
+    )
+    params = request.sampling_params(8)
+    assert (
+        params.grammar.kind == "structural_tag" and params.grammar.field == "response_format.format"
+    )
+    assert engine.grammars.state_for(params).matcher.accept_string(f"ok {HERMES_CALL}")
+    with pytest.raises(ValueError, match='send format exactly when type is "structural_tag"'):
+        ChatCompletionRequest(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "structural_tag"},
+        )
+    assert isinstance(SamplingParams(grammar=params.grammar).grammar.source, str)
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({}, '"auto" (the default with tools) is not supported'),
-        ({"tool_choice": "auto"}, '"auto" (the default with tools) is not supported'),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "'nope', which is not one",
@@ -148,3 +239,4 @@ def test_bad_tool_requests_name_tool_choice(extra, message):
     with pytest.raises(ValueError, match="tool_choice") as err:
         ChatCompletionRequest(**{**CHAT, **extra})
     assert message in str(err.value)
+    assert _request().tool_choice_name() == "auto"  # OpenAI's default with tools

@@ -318,6 +318,17 @@ class RoutingSpec(_Spec):
     )
 
 
+class ToolCallsSpec(_Spec):
+    """Gateway-only (not in the config hash): how tool_choice auto finds tool calls."""
+
+    parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="The model family's call format: hermes (<tool_call>{json}</tool_call>: "
+        'Qwen 2.5/3, Hermes) or llama3_json ({"name", "parameters"}: Llama 3.1+); '
+        "unset: tool_choice auto is refused",
+    )
+
+
 class ResourcesSpec(_Spec):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
@@ -420,6 +431,7 @@ class DeploymentSpec(_Spec):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    tool_calls: ToolCallsSpec = Field(default_factory=ToolCallsSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
@@ -451,8 +463,10 @@ class DeploymentSpec(_Spec):
 
     def config_hash(self) -> str:
         """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing`)."""
-        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas", "routing"})
+        the gateway's `routing` and `toolCalls`)."""
+        body = self.model_dump(
+            mode="json", by_alias=True, exclude={"replicas", "routing", "tool_calls"}
+        )
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 

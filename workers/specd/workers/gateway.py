@@ -393,9 +393,10 @@ class _Api:
         fmt: ResponseFormat,
         prompt_ids: list[int],
         default_max_tokens: int,
+        tool_parser: str | None = None,
     ) -> Response:
         rid = fmt.id_prefix + uuid.uuid4().hex
-        params = body.sampling_params(default_max_tokens, self.sampling_defaults())
+        params = body.sampling_params(default_max_tokens, self.sampling_defaults(), tool_parser)
         req = GenerateRequest(rid, tuple(prompt_ids), params)
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
@@ -637,8 +638,17 @@ def build_app(
         prompt = api.chat_prompt(body)
         # OpenAI's chat default: as long as the context allows (the engine stops there)
         default_max_tokens = max(1, context_length - len(prompt))
-        fmt = ChatFormat(body.tool_choice_name())
-        return await api.generate(request, body, fmt, prompt, default_max_tokens)
+        choice, parser = body.tool_choice_name(), api.pool.spec.tool_calls.parser
+        if choice == "auto" and parser is None:
+            raise ApiError(
+                400,
+                'tool_choice: "auto" (the default with tools) needs spec.toolCalls.parser '
+                "(hermes or llama3_json, the model family's call format); or send "
+                '"required", a named function or "none"',
+                "tool_choice",
+            )
+        fmt = ChatFormat(choice, parser)
+        return await api.generate(request, body, fmt, prompt, default_max_tokens, parser)
 
     @app.post("/v1/sessions")
     async def open_session() -> Response:

@@ -33,7 +33,7 @@ from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.types import Grammar, SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
-from specd.workers.tool_calls import NO_PARAMETERS, ToolCallReader, tool_grammar
+from specd.workers.tool_calls import NO_PARAMETERS, ToolCall, ToolCallReader, tool_grammar
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
@@ -67,9 +67,12 @@ class JsonSchemaFormat(_Lenient):
 
 
 class ResponseFormatParam(_Lenient):
-    """The request's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+    """The request's ``response_format``: ``text`` (no constraint), ``json_object`` (any
+    JSON object), ``json_schema``, or ``structural_tag`` (xgrammar's, as vLLM and SGLang
+    take it: ``format`` is its tree of free text, tags, schemas...)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    format: dict[str, Any] | None = None
     json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
 
     @field_validator("json_schema")
@@ -81,6 +84,8 @@ class ResponseFormatParam(_Lenient):
             raise ValueError(
                 'send json_schema (with its "schema") exactly when type is "json_schema"'
             )
+        if (info.data.get("format") is None) == (info.data.get("type") == "structural_tag"):
+            raise ValueError('send format exactly when type is "structural_tag"')
         return value
 
 
@@ -206,7 +211,10 @@ class _GenerationRequest(_Lenient):
         return None
 
     def sampling_params(
-        self, default_max_tokens: int, defaults: Mapping[str, float] | None = None
+        self,
+        default_max_tokens: int,
+        defaults: Mapping[str, float] | None = None,
+        tool_parser: str | None = None,
     ) -> SamplingParams:
         """The engine's parameters; ``defaults`` (the deployment's sampling defaults)
         fill the sampling fields this request left out."""
@@ -231,11 +239,12 @@ class _GenerationRequest(_Lenient):
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
-            grammar=self.grammar(),
+            grammar=self.grammar(tool_parser),
         )
 
-    def grammar(self) -> Grammar | None:
-        """The output constraint asked for (structured output), if any."""
+    def grammar(self, tool_parser: str | None = None) -> Grammar | None:
+        """The output constraint asked for (structured output), if any (``tool_parser``:
+        the call format of chat's ``tool_choice: auto``)."""
         if self.regex is not None:
             return Grammar("regex", self.regex, "regex")
         if self.ebnf is not None:
@@ -245,6 +254,9 @@ class _GenerationRequest(_Lenient):
             return None
         if fmt.type == "json_object":
             return Grammar("json_object", field="response_format")
+        if fmt.type == "structural_tag":
+            tag = json.dumps({"type": "structural_tag", "format": fmt.format})
+            return Grammar("structural_tag", tag, "response_format.format")
         schema = json.dumps(fmt.json_schema.schema_)
         return Grammar("json_schema", schema, "response_format.json_schema.schema")
 
@@ -370,6 +382,12 @@ class ToolParam(_Lenient):
     function: FunctionDef
 
 
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)
+    )
+
+
 def tools_for_template(tools: list[ToolParam] | None) -> list[dict[str, Any]] | None:
     """The tools as chat templates read them (None: no tools)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
@@ -407,12 +425,6 @@ class ChatCompletionRequest(_GenerationRequest):
             if value not in (None, "none"):
                 raise ValueError("needs tools to choose from")
             return value
-        if value in (None, "auto"):
-            raise ValueError(
-                '"auto" (the default with tools) is not supported: this server does not '
-                'parse free-form tool calls; send "required", a named function '
-                '({"type": "function", "function": {"name": ...}}) or "none"'
-            )
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"names {value.function.name!r}, which is not one of the tools")
         fmt = info.data.get("response_format")
@@ -428,17 +440,20 @@ class ChatCompletionRequest(_GenerationRequest):
         return value
 
     def tool_choice_name(self) -> str | None:
-        """``"required"``, the named function, or None (no call is made)."""
+        """``"required"``, ``"auto"`` (OpenAI's default with tools), the named function,
+        or None (no tools, or ``"none"``: no call is made)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
-        return "required" if self.tool_choice == "required" else None
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tool_choice or "auto"
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, tool_parser: str | None = None) -> Grammar | None:
         choice = self.tool_choice_name()
         if choice is None:
             return super().grammar()
         schemas = {t.function.name: t.function.parameters or NO_PARAMETERS for t in self.tools}
-        return tool_grammar(schemas, choice, self.parallel_tool_calls)
+        return tool_grammar(schemas, choice, self.parallel_tool_calls, tool_parser)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return tools_for_template(self.tools)
@@ -843,25 +858,23 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """Chat responses and chunks; with ``tool_choice`` (``"required"`` or a function's
-    name) the output is read back as tool calls, and a stream holds each choice's text
-    until it ends (a call is sent whole, as one delta)."""
+    """Chat responses and chunks; with a ``tool_choice`` (``"required"``, ``"auto"`` and
+    its ``tool_parser``, or a function's name) the output is read back as tool calls,
+    and a stream holds a choice's text from where a call opens until it ends (a call is
+    sent whole, as one delta)."""
 
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tool_choice: str | None = None):
-        self.tools = ToolCallReader(tool_choice) if tool_choice is not None else None
-        self._held: dict[int, tuple[str, list[RenderedLogprob] | None]] = {}
+    def __init__(self, tool_choice: str | None = None, tool_parser: str | None = None):
+        self.tools = ToolCallReader(tool_choice, tool_parser) if tool_choice is not None else None
+        self._held: dict[int, str] = {}  # per choice: text held back
 
     def _message(self, text: str, finish: str) -> tuple[ChatMessageOut, str]:
-        calls = self.tools.calls(text) if self.tools is not None and finish == "stop" else None
-        if calls is None:
+        if self.tools is None:
             return ChatMessageOut(content=text), finish
-        out = [
-            ToolCallOut(id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments))
-            for c in calls
-        ]
-        return ChatMessageOut(content=None, tool_calls=out), self.tools.finish_reason(finish)
+        content, calls, finish = self.tools.message(text, finish)
+        out = [_call_out(c) for c in calls] or None
+        return ChatMessageOut(content=content, tool_calls=out), finish
 
     def response(
         self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
@@ -888,20 +901,20 @@ class ChatFormat:
         self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
     ) -> ChatCompletionChunk | None:
         delta = ChatDelta(content=text or None)
-        if self.tools is not None:  # held until the choice ends
-            held, held_logprobs = self._held.pop(index, ("", None))
-            text = held + text
-            if logprobs is not None:
-                logprobs = [*(held_logprobs or []), *logprobs]
+        if self.tools is not None:
+            text = self._held.pop(index, "") + text
             if finish is None:
-                self._held[index] = (text, logprobs)
-                return None
-            message, finish = self._message(text, finish)
-            calls = [
-                ToolCallDelta(index=j, **call.model_dump())
-                for j, call in enumerate(message.tool_calls or [])
-            ]
-            delta = ChatDelta(content=message.content or None, tool_calls=calls or None)
+                now, self._held[index] = self.tools.streamable(text)
+                if not now and logprobs is None:
+                    return None
+                delta = ChatDelta(content=now or None)
+            else:
+                message, finish = self._message(text, finish)
+                calls = [
+                    ToolCallDelta(index=j, **call.model_dump())
+                    for j, call in enumerate(message.tool_calls or [])
+                ]
+                delta = ChatDelta(content=message.content or None, tool_calls=calls or None)
         choice = ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs)
         )

@@ -1,5 +1,5 @@
 """Structured output: the output's text follows a grammar (any JSON, a JSON schema, a
-regex or an EBNF grammar), enforced with xgrammar's token masks on the target's logits.
+regex, an EBNF grammar or an xgrammar structural tag), enforced with xgrammar's token masks on the target's logits.
 
 ``Grammars`` compiles a request's grammar for the model's tokenizer (compiled grammars
 are cached by source) and gives the request a ``GrammarState``: an xgrammar matcher that
@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from specd.workers.engine.types import Grammar, InvalidRequest, SamplingParams
 from specd.workers.scheduler.stop import stop_token_ids
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 COMPILE_CACHE_BYTES = 64 << 20  # compiled grammars kept per replica
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
@@ -194,6 +194,8 @@ class Grammars:
                 return compile_json(compiler, grammar)
             if grammar.kind == "regex":
                 return compiler.compile_regex(grammar.source)
+            if grammar.kind == "structural_tag":
+                return compiler.compile_structural_tag(grammar.source)
             return compiler.compile_grammar(grammar.source)
         except (RuntimeError, ValueError, TypeError) as err:
             raise InvalidRequest(f"{grammar.field}: {xgrammar_message(err)}") from err

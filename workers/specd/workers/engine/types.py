@@ -18,7 +18,8 @@ class Grammar:
     """What the output's text must follow (structured output, ``structured_output.py``).
 
     kind: ``json_object`` (any JSON object), ``json_schema`` (``source``: the schema as JSON
-    text), ``regex`` or ``ebnf`` (``source``: the pattern or the grammar).  ``field``:
+    text), ``regex`` or ``ebnf`` (``source``: the pattern or the grammar), or
+    ``structural_tag`` (``source``: xgrammar's structural tag as JSON text).  ``field``:
     the request field it came from, which errors name."""
 
     kind: str
