@@ -395,6 +395,20 @@ def serving() -> dict:
                 description="launched ahead: overlap scheduling started the step before "
                 "the previous one was resolved (near the decode/verify rate when it pays)",
             ),
+            panel(
+                "Structured-output requests/s by kind",
+                [rate_per_replica_by("specd_structured_requests_total", "kind")],
+                unit="reqps",
+                description="Requests held to a grammar: response_format (json_object, "
+                "json_schema, structural_tag), regex, ebnf, and tool calls",
+            ),
+            panel(
+                "Grammar compile time",
+                quantiles("specd_grammar_compile_seconds"),
+                "s",
+                description="Compiling a request's grammar, or finding it in the replica's "
+                "cache, off the event loop",
+            ),
         ],
     )
 

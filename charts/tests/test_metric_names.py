@@ -124,7 +124,7 @@ def gateway() -> Iterator[str]:
 
 
 def serve_mixed_traffic(url: str) -> None:
-    """Plain, speculative, load-limited (two at once) and session requests."""
+    """Plain, speculative, load-limited (two at once), structured and session requests."""
     with httpx.Client(base_url=url, timeout=60) as c:
 
         def complete(prompt: str, **extra) -> None:
@@ -133,6 +133,7 @@ def serve_mixed_traffic(url: str) -> None:
             assert r.status_code == 200, r.text
 
         complete("# " + "-" * 60 + "\n")
+        complete("Answer:", regex="(yes|no)", max_tokens=8)  # structured output
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(complete, ["Hello there", "Once upon a time"]))
         sid = c.post("/v1/sessions").json()["id"]
@@ -185,6 +186,8 @@ def test_the_scrape_has_every_speculative_family(scrape):
         "specd_spec_plain_steps_total",
         "specd_sessions_open",
         "specd_gateway_requests_total",
+        "specd_structured_requests_total",
+        "specd_grammar_compile_seconds_bucket",
     ):
         assert name in names, name
     leak = [

@@ -77,6 +77,16 @@ class EngineMetrics:
         )
         self.aborts = counter("specd_aborts", "Requests aborted before finishing")
         self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
+        self.structured_requests = counter(
+            "specd_structured_requests",
+            "Requests admitted with a grammar (structured output, tool calls), by kind",
+            ["kind"],
+        )
+        self.grammar_compile = histogram(
+            "specd_grammar_compile_seconds",
+            "Time to compile a request's grammar (or find it cached) and make its matcher",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )
         self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
         self.steps_launched_ahead = counter(
             "specd_engine_steps_launched_ahead",

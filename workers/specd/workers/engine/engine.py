@@ -430,8 +430,11 @@ class Engine:
         try:
             self.validate(request)
             grammar = None
-            if request.params.grammar is not None:  # compiled off the event loop
+            if (asked := request.params.grammar) is not None:  # compiled off the event loop
+                started = time.perf_counter()
                 grammar = await asyncio.to_thread(self.grammars.state_for, request.params)
+                self.metrics.grammar_compile.observe(time.perf_counter() - started)
+                self.metrics.structured_requests.labels(self.metrics.replica, asked.kind).inc()
         except InvalidRequest as err:
             yield error_delta(request.rid, str(err), getattr(err, "code", 400))
             return
