@@ -1,9 +1,11 @@
 """`specd generate` and `specd validate` as a user runs them (in-process `main`)."""
 
+import json
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.workers.cli import EXIT_INVALID, main
+from specd.workers.cli import EXIT_FAILED, EXIT_INVALID, main
 
 
 def test_generate_prints_transformers_greedy_text(tiny_models, capsys):
@@ -15,6 +17,22 @@ def test_generate_prints_transformers_greedy_text(tiny_models, capsys):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
     assert printed == tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_generate_holds_the_output_to_a_regex_or_a_schema(tiny_models, capsys, tmp_path):
+    base = ["generate", "--model", tiny_models("gqa"), "--max-tokens", "48", "--device", "cpu"]
+    assert main([*base, "--regex", "(yes|no)!", "Hello"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") in ("yes!", "no!")
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        )
+    )
+    assert main([*base, "--json-schema", str(schema), "Hello"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"ok"}
+    assert main([*base, "--regex", "(a", "Hello"]) == EXIT_FAILED
+    assert "--regex: Regex parsing error" in capsys.readouterr().err
 
 
 def test_validate_accepts_a_good_file_and_names_the_bad_field(tmp_path, capsys):

@@ -227,7 +227,7 @@ def test_requests_ask_for_a_grammar_on_both_endpoints(body, grammar):
             "send one output constraint, not response_format and regex",
         ),
         ({"response_format": {"type": "json_schema"}}, 'send json_schema (with its "schema")'),
-        ({"response_format": {"type": "xml"}}, "'text', 'json_object' or 'json_schema'"),
+        ({"response_format": {"type": "xml"}}, "'json_schema' or 'structural_tag'"),
     ],
 )
 def test_a_bad_response_format_is_refused(body, message):

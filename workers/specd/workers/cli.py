@@ -149,7 +149,10 @@ def _generate(args: argparse.Namespace) -> int:
             else tok(args.prompt)["input_ids"]
         )
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            grammar=_cli_grammar(args),
         )
 
         async def run() -> int:
@@ -164,6 +167,17 @@ def _generate(args: argparse.Namespace) -> int:
         return asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def _cli_grammar(args: argparse.Namespace):
+    """``--regex`` / ``--json-schema`` as the engine's structured-output grammar."""
+    from specd.workers.engine.types import Grammar
+
+    if args.regex is not None:
+        return Grammar("regex", args.regex, "--regex")
+    if args.json_schema is not None:
+        return Grammar("json_schema", Path(args.json_schema).read_text(), "--json-schema")
+    return None
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -201,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)"
     )
     gen.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    held = gen.add_mutually_exclusive_group()
+    held.add_argument("--regex", help="the output matches this regular expression")
+    held.add_argument("--json-schema", help="the output is JSON valid against this schema file")
     gen.add_argument("prompt")
     gen.set_defaults(func=_generate)
 
