@@ -101,6 +101,26 @@ def test_a_tree_node_is_masked_as_plain_decode_after_its_path(grammars):
     assert torch.equal(after, before)
 
 
+def test_rows_the_draft_loop_filled_are_reused_by_the_verify_and_dropped_on_advance(grammars):
+    """A tree filled after the draft loop's paths (cache hits) equals one filled fresh;
+    emitting a token drops the kept rows (they were relative to the old state)."""
+    [yes], [no], [comma], [x] = (_tokens(t) for t in ("yes", "no", ",", "x"))
+    tokens, parents = [42, yes, no, x, comma, comma], [-1, 0, 0, 0, 1, 2]
+    params = SamplingParams(grammar=Grammar("regex", ANSWER))
+    warm, cold = grammars.state_for(params), grammars.state_for(params)
+    warm.fill_paths(warm.new_bitmask(3), [[yes], [no], [x]])
+    assert set(warm._rows) == {(yes,), (no,)}  # the refused "x" is not kept
+    got, want = warm.new_bitmask(len(tokens)), cold.new_bitmask(len(tokens))
+    warm.fill_tree(got, tokens, parents)
+    cold.fill_tree(want, tokens, parents)
+    assert torch.equal(got, want)
+    warm.advance([yes])
+    assert not warm._rows
+    row = warm.new_bitmask(1)
+    warm.fill_row(row, 0)
+    assert _allowed(row, 0) == _allowed_after(grammars, params, [yes])
+
+
 def test_a_stop_token_ends_the_matcher_and_later_tokens_are_ignored(grammars):
     state = grammars.state_for(SamplingParams(grammar=Grammar("regex", "(yes|no)")))
     state.advance([*_tokens("no"), EOS, 77])

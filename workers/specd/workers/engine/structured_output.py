@@ -25,7 +25,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
@@ -80,19 +80,28 @@ def check_grammar_params(params: SamplingParams) -> None:
 
 @dataclass(slots=True, eq=False)
 class GrammarState:
-    """One request's matcher (``Req.grammar``), used on the compute side only."""
+    """One request's matcher (``Req.grammar``), used on the compute side only.
+
+    Rows filled since the last emitted token are kept by path (``_rows``): a verify's
+    tree rows are mostly the paths its draft loop already masked, and a fill costs far
+    more than a copy."""
 
     matcher: xgr.GrammarMatcher
     vocab_size: int
+    _rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """[rows, ceil(V / 32)] int32, every token allowed."""
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
 
-    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row ``row``: the tokens allowed next (left open once a stop token ended it)."""
-        if not self.matcher.is_terminated():
+    def fill_row(self, bitmask: torch.Tensor, row: int, path: tuple[int, ...] = ()) -> None:
+        """Row ``row``: the tokens allowed next, the matcher being at the emitted tokens
+        plus ``path`` (left open once a stop token ended it)."""
+        if (known := self._rows.get(path)) is not None:
+            bitmask[row] = known
+        elif not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            self._rows[path] = bitmask[row].clone()
 
     def fill_tree(
         self, bitmask: torch.Tensor, tokens: Sequence[int], parents: Sequence[int]
@@ -103,29 +112,33 @@ class GrammarState:
         for node in range(1, len(tokens)):
             children[parents[node]].append(node)
 
-        def visit(node: int) -> None:
-            self.fill_row(bitmask, node)
+        def visit(node: int, path: tuple[int, ...]) -> None:
+            self.fill_row(bitmask, node, path)
             if self.matcher.is_terminated():
                 return
             for child in children[node]:
                 if self._allows(bitmask, node, tokens[child]):
                     self.matcher.accept_token(tokens[child])
-                    visit(child)
+                    visit(child, (*path, tokens[child]))
                     self.matcher.rollback(1)
 
-        visit(0)
+        visit(0, ())
 
     def fill_paths(self, bitmask: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
         """Row j: the tokens allowed after ``paths[j]`` (tokens past the emitted ones);
         a path the grammar refuses leaves its row open.  The state is kept."""
         for row, path in enumerate(paths):
+            key = tuple(path)
+            if key in self._rows:
+                bitmask[row] = self._rows[key]
+                continue
             accepted = 0
             for token in path:
                 if self.matcher.is_terminated() or not self.matcher.accept_token(token):
                     break
                 accepted += 1
             else:
-                self.fill_row(bitmask, row)
+                self.fill_row(bitmask, row, key)
             self.matcher.rollback(accepted)
 
     def _allows(self, bitmask: torch.Tensor, row: int, token: int) -> bool:
@@ -134,6 +147,8 @@ class GrammarState:
     def advance(self, tokens: Sequence[int]) -> None:
         """Accept the tokens a step emitted (those after a stop token are dropped by the
         scheduler, so they are skipped here too)."""
+        if tokens:
+            self._rows.clear()  # they were relative to the tokens emitted so far
         for token in tokens:
             if self.matcher.is_terminated():
                 return
