@@ -17,9 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -270,6 +272,11 @@ CHOICE = {
 }
 
 
+class Pick(pydantic.BaseModel):
+    ok: bool
+    color: Literal["red", "green", "blue"]
+
+
 def test_structured_output_through_the_openai_client(gateway):
     """A JSON schema (chat, streamed too) and a regex (completions' extra body) shape
     even a random model's output, which then ends with a stop."""
@@ -294,6 +301,10 @@ def test_structured_output_through_the_openai_client(gateway):
         )
     )
     assert streamed == chat.choices[0].message.content
+    parsed = client.chat.completions.parse(  # the SDK's helper: a pydantic model's strict schema
+        model=MODEL, messages=messages, response_format=Pick, temperature=0, max_tokens=96
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Pick)
     done = client.completions.create(
         model=MODEL,
         prompt="Hello",
