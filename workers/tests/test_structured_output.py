@@ -354,6 +354,29 @@ def test_greedy_structured_output_equals_transformers(kind, expected):
     assert got[3][0] == free[0]  # the unconstrained neighbour is untouched
 
 
+def test_a_retracted_constrained_request_resumes_exactly(expected):
+    """A pool too small for the batch retracts requests; each one's matcher stays with
+    its kept output, so the re-prefilled request goes on as if never retracted."""
+    prompts, asked, outputs = expected
+    engine = start_engine(
+        DEMO_TARGET,
+        kvCache={"pageSize": 4, "maxTokens": 192},
+        scheduler={"chunkedPrefillSize": 64},
+        draft={"path": DEMO_EAGLE},
+        speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        debug={"strictMemCheck": 1},
+    )
+    try:
+        got = run_constrained(engine, prompts, asked)
+        assert metric_value(engine, "specd_retractions_total") > 0
+        assert engine.status()["healthy"], engine.status()["last_error"]
+    finally:
+        engine.shutdown()
+    assert [g[0] for g in got[:3]] == outputs[:3]
+    check_follows_grammars(got)
+    assert request_held_tokens(engine) == 0
+
+
 def test_sampled_trees_always_end_in_text_the_grammar_accepts():
     """Tree speculative sampling draws from the masked distribution: every seed ends in
     a match, and the seeds do not all agree."""
