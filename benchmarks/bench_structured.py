@@ -1,15 +1,20 @@
-"""Structured output with speculative decoding: guided drafts vs unguided vs no speculation.
+"""Structured output with speculative decoding: guided drafts vs unguided vs no speculation,
+and ``transformers`` ``generate`` with xgrammar's own logits processor as the peer.
 
-Every request asks for JSON following one schema (greedy, each to its own end).  Three
-specd engines on the demo pair, in one process, interleaved repeats, medians printed as
-ratios:
+Every request asks for JSON following one schema (greedy, each to its own end).  Each
+contender runs in a worker process of its own (CPU torch keeps one thread team per
+calling thread: engines sharing a process measured at half speed), rounds interleaved,
+medians printed as ratios:
 
-* ``plain``: no speculation, the target's rows masked by the grammar;
-* ``unguided``: EAGLE drafts made without the grammar (what a verify-only integration
-  does), masked at verify;
-* ``guided``: the drafts masked by the grammar too (``speculative/guided_draft.py``).
+* ``plain``: specd without speculation, the target's rows masked by the grammar;
+* ``unguided``: specd with EAGLE drafts made without the grammar (what a verify-only
+  integration does), masked at verify;
+* ``guided``: specd with the drafts masked by the grammar too
+  (``speculative/guided_draft.py``);
+* ``transformers``: one left-padded batch through ``generate`` with
+  ``xgrammar.contrib.hf.LogitsProcessor`` (the peer).
 
-All three must emit the same tokens (the grammar and the target decide, not the draft).
+All four must emit the same tokens (the grammar and the target decide, not the draft).
 Also prints tokens per verify (bonus included) and the share of outputs that parse and
 validate against the schema.
 
@@ -24,14 +29,12 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import jsonschema
 
-from specd.workers.config import spec_for_model
-from specd.workers.engine.bench_knobs import BenchKnobs
-from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import GenerateRequest, Grammar, SamplingParams
 from specd.workers.testing import DEMO_EAGLE, DEMO_TARGET, demo_prompts
 
 SCHEMA = {
@@ -44,45 +47,141 @@ SCHEMA = {
     },
     "required": ["function", "kind", "arguments", "returns_value"],
 }
-GRAMMAR = Grammar("json_schema", json.dumps(SCHEMA), "response_format.json_schema.schema")
+CONTENDERS = ("plain", "unguided", "guided", "transformers")
 
 
-def start(target: str, draft: str | None, args, knobs: BenchKnobs = BenchKnobs()) -> Engine:
-    fields = {"model": {"dtype": "float32"}, "kvCache": {"pageSize": 16}}
-    if draft is not None:
-        fields["draft"] = {"path": draft}
-        fields["speculative"] = {
-            "numSteps": args.steps,
-            "topk": args.topk,
-            "numDraftTokens": args.draft_tokens,
+class SpecdContender:
+    """A specd engine (in its worker process), all of a round's requests at once."""
+
+    def __init__(self, kind: str, args):
+        from specd.workers.config import spec_for_model
+        from specd.workers.engine.bench_knobs import BenchKnobs
+        from specd.workers.engine.engine import Engine
+        from specd.workers.engine.types import Grammar
+
+        fields = {"model": {"dtype": "float32"}, "kvCache": {"pageSize": 16}}
+        if kind != "plain":
+            fields["draft"] = {"path": args.draft}
+            fields["speculative"] = {
+                "numSteps": args.steps,
+                "topk": args.topk,
+                "numDraftTokens": args.draft_tokens,
+            }
+        knobs = BenchKnobs(unguided_drafts=kind == "unguided")
+        self.engine = Engine(spec_for_model(args.target, **fields), device="cpu", knobs=knobs)
+        self.engine.start()
+        self.grammar = Grammar("json_schema", json.dumps(SCHEMA), "response_format")
+        self.rounds = 0
+
+    def run(self, prompts, max_tokens: int) -> dict:
+        from specd.workers.engine.types import GenerateRequest, SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, grammar=self.grammar)
+        self.rounds += 1
+
+        async def one(i, prompt):
+            tokens, text, usage = [], "", None
+            request = GenerateRequest(f"r{self.rounds}-{i}", tuple(prompt), params)
+            async for delta in self.engine.generate(request):
+                tokens += delta.token_ids
+                text += delta.text
+                usage = delta.usage or usage
+            return tokens, text, usage
+
+        async def go():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        t0 = time.perf_counter()
+        got = asyncio.run(go())
+        return {
+            "seconds": time.perf_counter() - t0,
+            "outputs": [g[0] for g in got],
+            "texts": [g[1] for g in got],
+            "steps": sum(u.spec_verify_steps for *_, u in got),
+            "accepted": sum(u.spec_accepted_tokens for *_, u in got),
         }
-    engine = Engine(spec_for_model(target, **fields), device="cpu", knobs=knobs)
-    engine.start()
-    return engine
 
 
-def run_round(engine: Engine, prompts, max_tokens: int, tag: str):
-    """-> (seconds, outputs, texts, verify steps, accepted drafts)."""
-    params = SamplingParams(max_tokens=max_tokens, grammar=GRAMMAR)
+class TransformersContender:
+    """``generate`` on one left-padded batch under xgrammar's HF logits processor."""
 
-    async def one(i, prompt):
-        tokens, text, usage = [], "", None
-        request = GenerateRequest(f"{tag}{i}", tuple(prompt), params)
-        async for delta in engine.generate(request):
-            tokens += delta.token_ids
-            text += delta.text
-            usage = delta.usage or usage
-        return tokens, text, usage
+    def __init__(self, kind: str, args):
+        import torch
+        import xgrammar as xgr
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    async def go():
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        self.torch, self.xgr = torch, xgr
+        self.tok = AutoTokenizer.from_pretrained(args.target)
+        self.model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        self.eos = self.tok.eos_token_id
+        vocab = self.model.config.vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.tok, vocab_size=vocab, stop_token_ids=[self.eos]
+        )
+        self.compiler = xgr.GrammarCompiler(info)
 
-    t0 = time.perf_counter()
-    got = asyncio.run(go())
-    seconds = time.perf_counter() - t0
-    steps = sum(u.spec_verify_steps for *_, u in got)
-    accepted = sum(u.spec_accepted_tokens for *_, u in got)
-    return seconds, [g[0] for g in got], [g[1] for g in got], steps, accepted
+    def run(self, prompts, max_tokens: int) -> dict:
+        torch, eos = self.torch, self.eos
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        t0 = time.perf_counter()
+        grammar = self.compiler.compile_json_schema(SCHEMA, any_whitespace=False)  # as specd
+        processor = self.xgr.contrib.hf.LogitsProcessor([grammar] * len(prompts))
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                logits_processor=[processor],
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        seconds = time.perf_counter() - t0
+        outputs = [r[: r.index(eos) + 1] if eos in r else r for r in out[:, width:].tolist()]
+        texts = [self.tok.decode(o, skip_special_tokens=True) for o in outputs]
+        return {"seconds": seconds, "outputs": outputs, "texts": texts, "steps": 0, "accepted": 0}
+
+
+def worker(kind: str, args) -> None:
+    """A contender's process: one JSON request per line in, one reply per line out."""
+    contender = (TransformersContender if kind == "transformers" else SpecdContender)(kind, args)
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            print(json.dumps(contender.run(req["prompts"], req["max_tokens"])), flush=True)
+    finally:
+        if isinstance(contender, SpecdContender):
+            contender.engine.shutdown()
+
+
+class Worker:
+    def __init__(self, kind: str, argv: list[str]):
+        cmd = [sys.executable, __file__, *argv, "--worker", kind]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self._read()  # {"ready": true}
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"worker exited with {self.proc.wait()}")
+
+    def run(self, prompts, max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
 def valid_share(texts) -> float:
@@ -96,6 +195,29 @@ def valid_share(texts) -> float:
     return ok / len(texts)
 
 
+def report(batch: int, repeats: int, times: dict, last: dict) -> None:
+    tokens = sum(len(o) for o in last["plain"]["outputs"])
+    print(f"\n## batch {batch}: {tokens} output tokens per run, {repeats} repeats")
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, reply in last.items():
+        same = sum(o == p for o, p in zip(reply["outputs"], last["plain"]["outputs"], strict=True))
+        steps = reply["steps"]
+        per_verify = f"{(steps + reply['accepted']) / steps:.2f}" if steps else "-"
+        print(
+            f"  {name:12s} median {medians[name]:6.3f}s {tokens / medians[name]:7.1f} tok/s"
+            f"  tokens/verify {per_verify:>5s}  same as plain {same}/{batch}"
+            f"  valid JSON {valid_share(reply['texts']):.0%}"
+        )
+    for a, b in [
+        ("guided", "transformers"),
+        ("plain", "transformers"),
+        ("guided", "unguided"),
+        ("guided", "plain"),
+        ("unguided", "plain"),
+    ]:
+        print(f"  {a} vs {b}: {medians[b] / medians[a]:.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(DEMO_TARGET))
@@ -106,45 +228,31 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args)
 
-    engines = {
-        "plain": start(args.target, None, args),
-        "unguided": start(args.target, args.draft, args, BenchKnobs(unguided_drafts=True)),
-        "guided": start(args.target, args.draft, args),
-    }
+    model_argv = [
+        *("--target", args.target, "--draft", args.draft, "--steps", str(args.steps)),
+        *("--topk", str(args.topk), "--draft-tokens", str(args.draft_tokens)),
+    ]
+    workers = {kind: Worker(kind, model_argv) for kind in CONTENDERS}
     try:
         for batch in args.batch:
             prompts = demo_prompts(batch, 48)
-            for name, engine in engines.items():  # warm-up, untimed (compiles the grammar)
-                run_round(engine, prompts[:1], 8, f"w{name}{batch}-")
-            times = {name: [] for name in engines}
-            last = {}
+            for w in workers.values():  # warm-up, untimed (compiles the grammar)
+                w.run(prompts[:1], 8)
+            times, last = {kind: [] for kind in workers}, {}
             for rep in range(args.repeats):
-                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
-                for name in order:
-                    got = run_round(
-                        engines[name], prompts, args.max_tokens, f"{name}{batch}-{rep}-"
-                    )
-                    times[name].append(got[0])
-                    last[name] = got
-            tokens = sum(len(o) for o in last["plain"][1])
-            print(f"\n## batch {batch}: {tokens} output tokens per run, {args.repeats} repeats")
-            medians = {name: statistics.median(ts) for name, ts in times.items()}
-            for name, (_, outputs, texts, steps, accepted) in last.items():
-                same = sum(o == p for o, p in zip(outputs, last["plain"][1], strict=True))
-                per_verify = f"{(steps + accepted) / steps:.2f}" if steps else "-"
-                print(
-                    f"  {name:9s} median {medians[name]:6.3f}s {tokens / medians[name]:7.1f} tok/s"
-                    f"  tokens/verify {per_verify:>5s}  same as plain {same}/{batch}"
-                    f"  valid JSON {valid_share(texts):.0%}"
-                )
-            print(f"  guided vs unguided: {medians['unguided'] / medians['guided']:.2f}x")
-            print(f"  guided vs plain:    {medians['plain'] / medians['guided']:.2f}x")
-            print(f"  unguided vs plain:  {medians['plain'] / medians['unguided']:.2f}x")
+                order = list(workers) if rep % 2 == 0 else list(reversed(workers))
+                for kind in order:
+                    last[kind] = workers[kind].run(prompts, args.max_tokens)
+                    times[kind].append(last[kind]["seconds"])
+            report(batch, args.repeats, times, last)
     finally:
-        for engine in engines.values():
-            engine.shutdown()
+        for w in workers.values():
+            w.close()
 
 
 if __name__ == "__main__":

@@ -292,3 +292,19 @@ def test_bench_routing_smoke():
     hits = dict(re.findall(r"(cacheAware|leastLoad) +prefix-cache hits +([0-9.]+)%", done.stdout))
     assert set(hits) == {"cacheAware", "leastLoad"}, done.stdout
     assert float(hits["cacheAware"]) > 0 and "cacheAware vs leastLoad" in done.stdout
+
+
+def test_bench_structured_smoke():
+    """The structured-output benchmark runs its four contenders in their own processes;
+    all emit the same valid JSON, and guided drafts accept more than unguided ones."""
+    cmd = [sys.executable, "benchmarks/bench_structured.py", "--batch", "1", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(
+        r"(\w+) +median .* tokens/verify +([0-9.-]+) +same as plain (\d)/1 +valid JSON (\d+)%",
+        done.stdout,
+    )
+    assert {r[0] for r in rows} == {"plain", "unguided", "guided", "transformers"}, done.stdout
+    assert all(same == "1" and valid == "100" for _, _, same, valid in rows), done.stdout
+    per_verify = {name: float(v) for name, v, _, _ in rows if v != "-"}
+    assert per_verify["guided"] > per_verify["unguided"] + 1, done.stdout
