@@ -377,6 +377,31 @@ def test_a_retracted_constrained_request_resumes_exactly(expected):
     assert request_held_tokens(engine) == 0
 
 
+def test_a_session_turn_can_be_constrained_and_the_next_one_free():
+    """A grammar holds its own turn only: the next turn reads the constrained answer
+    from the session's KV and goes on as one request over the whole history would."""
+    engine = start_engine(DEMO_TARGET, sessions={"enabled": True})
+    first, second = demo_prompts(2, 24)
+    try:
+        sid = engine.open_session()
+
+        async def turns():
+            a = await collect(
+                engine, "t0", first, sid, max_tokens=MAX_TOKENS, grammar=Grammar("regex", ANSWER)
+            )
+            b = await collect(engine, "t1", second, sid, max_tokens=8, ignore_eos=True)
+            return a, b
+
+        (answer, text, last), (follow, _, _) = asyncio.run(turns())
+        whole = first + answer + second
+        [(alone, _, _)] = run_all(engine, [whole], max_tokens=8, ignore_eos=True)
+        engine.close_session(sid)
+    finally:
+        engine.shutdown()
+    assert re.fullmatch(ANSWER, text) and last.finish_reason is FinishReason.STOP
+    assert follow == alone
+
+
 def test_sampled_trees_always_end_in_text_the_grammar_accepts():
     """Tree speculative sampling draws from the masked distribution: every seed ends in
     a match, and the seeds do not all agree."""

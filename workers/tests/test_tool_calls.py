@@ -12,9 +12,16 @@ import json
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from specd.workers.engine.types import SamplingParams
-from specd.workers.openai_protocol import ChatCompletionRequest, ChatFormat, ChoiceResult
+from specd.workers.model.tokenizer import apply_chat_template
+from specd.workers.openai_protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    ChatMessage,
+    ChoiceResult,
+)
 from specd.workers.testing import DEMO_TARGET, collect, demo_prompts, start_engine
 from specd.workers.tool_calls import CALL_FORMATS, ToolCallReader
 
@@ -108,6 +115,30 @@ def test_a_stream_holds_the_call_and_sends_it_whole():
     )
     plain = ChatFormat().chunk("r", "m", 0, "hi", None, None)
     assert plain.choices[0].delta.content == "hi"
+
+
+def test_the_tools_and_earlier_calls_are_rendered_by_a_template_that_reads_them():
+    tok = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    tok.chat_template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}{{ m.content }}"
+        "{% endfor %}"
+    )
+    request = ChatCompletionRequest(
+        **{**CHAT, "tool_choice": "none"},
+    )
+    request.messages.append(
+        ChatMessage(
+            role="assistant",
+            tool_calls=[
+                {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        )
+    )
+    ids = apply_chat_template(tok, request.chat_messages(), request.template_tools())
+    text = tok.decode(ids)
+    assert text.startswith("[get_weather][get_time]") and "<get_weather Oslo>" in text
 
 
 def test_earlier_calls_reach_the_chat_template_as_objects():
