@@ -9,7 +9,13 @@ import pytest
 
 from specd.workers.config import spec_for_model
 from specd.workers.pool import PoolController, Replica, ReplicaState
-from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks, block_keys
+from specd.workers.prefix_affinity import (
+    CacheShape,
+    EvictedBlocks,
+    PrefixAffinity,
+    PromptBlocks,
+    block_keys,
+)
 
 SHAPE = CacheShape(page_size=1, capacity_tokens=4096)  # blocks of 16 tokens
 
@@ -150,3 +156,34 @@ def test_excluded_and_departed_replicas_are_not_routed_to(model_dir):
     assert pool.route(system + [2], exclude={home.name}) is not home
     home.state = ReplicaState.DRAINING
     assert pool.route(system + [3]) is not home
+
+
+def test_an_engine_reports_the_keys_of_blocks_whose_last_page_it_evicted():
+    """The engine keys an evicted page's path as the gateway keys prompts: a page that
+    ends a block gives that block's key; other pages give none."""
+    prompt = tokens(40, 7)
+    log = EvictedBlocks(page_size=4, keep=2)  # blocks of 16 tokens
+    log.evicted(prompt[:36])  # mid-block: nothing
+    log.evicted(prompt[:32])  # ends block 1
+    log.evicted(prompt[:16])  # ends block 0
+    assert log.snapshot() == {"total": 2, "keys": block_keys(prompt, 16)[::-1]}
+    log.evicted(prompt[:16])
+    assert log.snapshot()["total"] == 3 and len(log.snapshot()["keys"]) == 2  # newest kept
+
+
+def test_a_probe_takes_evicted_blocks_off_the_replicas_record(model_dir):
+    """After the engine reports evicting a prompt's blocks, the gateway no longer
+    predicts a hit there: the prompt goes by load, and each report is taken once."""
+    pool = pool_of(["r0", "r1"], model_dir)
+    system = tokens(200, 30)
+    home = pool.route(system + [1])
+    assert pool.route(system + [2]) is home  # cached: prefix
+    log = EvictedBlocks(page_size=1)
+    for end in range(len(system) // 16 * 16, 0, -16):  # leaves first, as the trie evicts
+        log.evicted(system[:end])
+    pool.note_status(home, {"prefix_cache": {"evicted_blocks": log.snapshot()}})
+    assert pool.affinity.tracked_tokens(home.name, SHAPE) == 0  # its 12 blocks are gone
+    home.inflight = 1  # busier: without the hit, the prompt goes by load
+    assert pool.route(system + [3]) is not home
+    assert pool.routed_by_reason() == {"load": 2, "prefix": 1}
+    pool.note_status(home, {"prefix_cache": {"evicted_blocks": log.snapshot()}})  # seen

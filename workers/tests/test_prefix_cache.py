@@ -15,6 +15,7 @@ from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.leak_check import token_pool_balance
 from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks, block_keys
 from specd.workers.scheduler.scheduler import shared_prefix_len
 from specd.workers.testing import (
     DEMO_EAGLE,
@@ -59,6 +60,15 @@ def test_insert_hands_back_pages_whose_tokens_are_cached_already():
     assert cache.num_pages == 3
     with pytest.raises(ValueError, match="2 pages for 6 tokens"):
         cache.insert([1, 2, 3, 4, 5, 6], first)
+
+
+def test_eviction_reports_each_evicted_pages_path():
+    allocator = PagedTokenAllocator(num_pages=6, page_size=2)
+    evicted = []
+    cache = PrefixCache(allocator, evicted.append)
+    cache.insert([1, 1, 2, 2, 3, 3], allocator.alloc_pages(3))
+    assert cache.evict(2) == 2
+    assert evicted == [[1, 1, 2, 2, 3, 3], [1, 1, 2, 2]]  # leaves first, root to page end
 
 
 def test_eviction_takes_least_recently_used_leaves_and_spares_borrowed_pages():
@@ -262,6 +272,27 @@ def test_a_small_pool_evicts_the_cache_and_stays_exact(shared_prefix_prompts):
     finally:
         engine.shutdown()
     engine.kv.check_integrity()
+
+
+def test_the_gateway_learns_which_blocks_an_engine_evicted():
+    """An engine whose small pool evicts an earlier prompt's pages reports those blocks
+    in its status, keyed as the gateway keyed the prompt: the record forgets them."""
+    first, *others = demo_prompts(4, 96)
+    engine = start_engine(DEMO_TARGET, kvCache={"pageSize": 4, "maxTokens": 224})
+    shape = CacheShape.from_info({"prefix_cache": engine.prefix_cache_shape()})
+    record = PrefixAffinity()
+    try:
+        run_all(engine, [first], max_tokens=4, ignore_eos=True)
+        record.record("r0", PromptBlocks(first), shape)
+        assert record.predicted_hits(PromptBlocks(first), {"r0": shape}) == {"r0": 80}
+        for prompt in others:  # one at a time: each one's pages push older ones out
+            run_all(engine, [prompt], max_tokens=4, ignore_eos=True)
+        evicted = engine.status()["prefix_cache"]["evicted_blocks"]
+    finally:
+        engine.shutdown()
+    assert set(block_keys(first, shape.block_tokens)) <= set(evicted["keys"])
+    record.discard("r0", evicted["keys"])
+    assert record.predicted_hits(PromptBlocks(first), {"r0": shape}) == {"r0": 0}
 
 
 def test_prompt_scoring_and_a_disabled_cache_compute_every_prompt_token(shared_prefix_prompts):

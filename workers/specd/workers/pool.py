@@ -72,6 +72,7 @@ class Replica:
     error: str | None = None
     created_at: float = field(default_factory=time.time)
     restarts: int = 0  # failures of this replica's predecessors (a replacement inherits +1)
+    evictions_seen: int = 0  # prefix-cache block evictions already taken off its record
 
     def router_load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -482,16 +483,26 @@ class PoolController:
 
     async def _probe(self, replica: Replica) -> None:
         try:
-            replica.load = await asyncio.wait_for(
-                replica.handle.status.remote(), self.probe_timeout_s
-            )
+            status = await asyncio.wait_for(replica.handle.status.remote(), self.probe_timeout_s)
         except TimeoutError:
             self.mark_dead(replica, f"no answer to a health probe within {self.probe_timeout_s:g}s")
         except RayError as err:
             self.mark_dead(replica, _describe(err))
         else:
+            self.note_status(replica, status)
             if not replica.healthy:
                 self.mark_dead(replica, f"engine unhealthy: {replica.load.get('last_error')}")
+
+    def note_status(self, replica: Replica, status: dict[str, Any]) -> None:
+        """A probe's answer: the replica's load, and the blocks its prefix cache evicted
+        since the last one leave its prefix record."""
+        replica.load = status
+        evicted = (status.get("prefix_cache") or {}).get("evicted_blocks")
+        if not evicted or evicted["total"] <= replica.evictions_seen:
+            return
+        new = evicted["total"] - replica.evictions_seen
+        self.affinity.discard(replica.name, evicted["keys"][-new:])
+        replica.evictions_seen = evicted["total"]
 
     def _reconcile(self) -> None:
         """One synchronous pass: forget the dead, then launch starts and retirements."""

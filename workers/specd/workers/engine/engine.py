@@ -57,6 +57,7 @@ from specd.workers.model.config import ModelConfig
 from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
+from specd.workers.prefix_affinity import EvictedBlocks
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -307,7 +308,12 @@ class Engine:
         backend = get_backend(backend_name, self.device.type, dtype)
         self.backend_name = backend_name
         ops = ops_for_backend(backend_name)
-        cache = PrefixCache(self.allocator) if spec.kv_cache.prefix_cache else None
+        self.evicted_blocks = EvictedBlocks(page)  # for the gateway's cache-aware routing
+        cache = (
+            PrefixCache(self.allocator, self.evicted_blocks.evicted)
+            if spec.kv_cache.prefix_cache
+            else None
+        )
         self.kv = KVManager(self.req_pool, self.allocator, ops, cache)
         self.kv_pool = KVPool(
             cfg.num_hidden_layers,
@@ -879,6 +885,7 @@ class Engine:
             "prefix_cache": {
                 "queried_tokens": s.prefix_queried_tokens,
                 "hit_tokens": s.prefix_hit_tokens,
+                "evicted_blocks": self.evicted_blocks.snapshot(),
             },
             "retractions": s.num_retractions,
             "kv_reserved_tokens": reserved,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
@@ -34,6 +34,15 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     lock_ref: int = 0  # requests borrowing this page (and every page below it they use)
     last_used: int = 0
+
+
+def _path_tokens(node: _Node) -> list[int]:
+    """Every token from the root to the end of ``node``'s page."""
+    pages = []
+    while node.parent is not None:
+        pages.append(node.key)
+        node = node.parent
+    return [t for key in reversed(pages) for t in key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +60,15 @@ class CachedPrefix:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PagedTokenAllocator):
+    """``on_evict(path)``: called with every token from the root to an evicted page's end."""
+
+    def __init__(
+        self,
+        allocator: PagedTokenAllocator,
+        on_evict: Callable[[list[int]], None] | None = None,
+    ):
         self.allocator = allocator
+        self.on_evict = on_evict
         self.page_size = allocator.page_size
         self._root = _Node((), -1, None)
         self._clock = itertools.count(1)
@@ -125,6 +141,8 @@ class PrefixCache:
         freed = []
         while leaves and len(freed) < num_pages:
             _, _, node = heapq.heappop(leaves)
+            if self.on_evict is not None:
+                self.on_evict(_path_tokens(node))
             parent = node.parent
             del parent.children[node.key]
             freed.append(node.page)
