@@ -32,8 +32,35 @@ def make_prompts(n: int, vocab: int, seed: int, lo: int = 16, hi: int = 64) -> l
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-class Worker:
-    """One engine in a subprocess, answering timed generation requests."""
+class LineWorker:
+    """A process answering one JSON request per line with one JSON reply per line, after
+    a first ``{"ready": true}`` line (stderr dropped)."""
+
+    def __init__(self, cmd: list[str], name: str):
+        self.name = name
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self._read()  # {"ready": true}
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.name} worker exited with {self.proc.wait()}")
+
+    def request(self, body: dict) -> dict:
+        self.proc.stdin.write(json.dumps(body) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+class Worker(LineWorker):
+    """One engine in a subprocess (bench_worker.py), answering timed generation requests."""
 
     def __init__(
         self,
@@ -45,7 +72,6 @@ class Worker:
         name: str | None = None,
         spec: str | None = None,
     ):
-        self.name = name or engine
         cmd = [
             python,
             WORKER,
@@ -58,25 +84,10 @@ class Worker:
             "--max-batch",
             str(max_batch),
         ] + (["--spec", spec] if spec else [])
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        self._read()  # {"ready": true}
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"{self.name} worker exited with {self.proc.wait()}")
+        super().__init__(cmd, name or engine)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        return self.request({"prompts": prompts, "new_tokens": new_tokens})
 
 
 def bench_batch(workers, prompts, new_tokens, repeats, reference):

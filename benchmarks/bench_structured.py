@@ -29,11 +29,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import jsonschema
+from bench_engine import LineWorker
+from bench_worker import left_padded
 
 from specd.workers.testing import DEMO_EAGLE, DEMO_TARGET, demo_prompts
 
@@ -122,12 +123,8 @@ class TransformersContender:
 
     def run(self, prompts, max_tokens: int) -> dict:
         torch, eos = self.torch, self.eos
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_padded(torch, prompts, eos)
+        width = ids.shape[1]
         t0 = time.perf_counter()
         grammar = self.compiler.compile_json_schema(SCHEMA, any_whitespace=False)  # as specd
         processor = self.xgr.contrib.hf.LogitsProcessor([grammar] * len(prompts))
@@ -160,28 +157,14 @@ def worker(kind: str, args) -> None:
             contender.engine.shutdown()
 
 
-class Worker:
-    def __init__(self, kind: str, argv: list[str]):
-        cmd = [sys.executable, __file__, *argv, "--worker", kind]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
-        self._read()  # {"ready": true}
+class Worker(LineWorker):
+    """A contender in its own process (this file with ``--worker``)."""
 
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError(f"worker exited with {self.proc.wait()}")
+    def __init__(self, kind: str, argv: list[str]):
+        super().__init__([sys.executable, __file__, *argv, "--worker", kind], kind)
 
     def run(self, prompts, max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        return self.request({"prompts": prompts, "max_tokens": max_tokens})
 
 
 def valid_share(texts) -> float:

@@ -74,6 +74,17 @@ class Specd:
         }
 
 
+def left_padded(torch, prompts, pad: int):
+    """(ids, attention mask) [n, longest]: the prompts left-padded with ``pad``."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
 class Transformers:
     """``generate`` on one left-padded static batch (how a script batches)."""
 
@@ -86,12 +97,8 @@ class Transformers:
 
     def generate(self, prompts, n):
         torch = self.torch
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_padded(torch, prompts, 0)
+        width = ids.shape[1]
         with torch.inference_mode():
             out = self.model.generate(
                 ids,
