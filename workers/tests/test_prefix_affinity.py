@@ -8,6 +8,8 @@ import random
 import pytest
 
 from specd.workers.config import spec_for_model
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.pool import PoolController, Replica, ReplicaState
 from specd.workers.prefix_affinity import (
     CacheShape,
@@ -159,15 +161,17 @@ def test_excluded_and_departed_replicas_are_not_routed_to(model_dir):
 
 
 def test_an_engine_reports_the_keys_of_blocks_whose_last_page_it_evicted():
-    """The engine keys an evicted page's path as the gateway keys prompts: a page that
-    ends a block gives that block's key; other pages give none."""
+    """The engine's trie keys a page that ends a block as the gateway keys the prompt;
+    evicting it reports that key, other pages report none; the newest are kept."""
     prompt = tokens(40, 7)
     log = EvictedBlocks(page_size=4, keep=2)  # blocks of 16 tokens
-    log.evicted(prompt[:36])  # mid-block: nothing
-    log.evicted(prompt[:32])  # ends block 1
-    log.evicted(prompt[:16])  # ends block 0
+    allocator = PagedTokenAllocator(num_pages=16, page_size=4)
+    cache = PrefixCache(allocator, log.evicted, log.block_tokens)
+    cache.insert(prompt, allocator.alloc_pages(10))
+    assert cache.evict(10) == 10  # leaves first: pages ending at 40, 36, 32 (block 1) ...
     assert log.snapshot() == {"total": 2, "keys": block_keys(prompt, 16)[::-1]}
-    log.evicted(prompt[:16])
+    cache.insert(prompt[:16], allocator.alloc_pages(4))
+    cache.evict(4)
     assert log.snapshot()["total"] == 3 and len(log.snapshot()["keys"]) == 2  # newest kept
 
 
@@ -179,8 +183,8 @@ def test_a_probe_takes_evicted_blocks_off_the_replicas_record(model_dir):
     home = pool.route(system + [1])
     assert pool.route(system + [2]) is home  # cached: prefix
     log = EvictedBlocks(page_size=1)
-    for end in range(len(system) // 16 * 16, 0, -16):  # leaves first, as the trie evicts
-        log.evicted(system[:end])
+    for key in reversed(block_keys(system + [1], 16)):  # leaves first, as the trie evicts
+        log.evicted(key)
     pool.note_status(home, {"prefix_cache": {"evicted_blocks": log.snapshot()}})
     assert pool.affinity.tracked_tokens(home.name, SHAPE) == 0  # its 12 blocks are gone
     home.inflight = 1  # busier: without the hit, the prompt goes by load

@@ -15,7 +15,13 @@ from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.leak_check import token_pool_balance
 from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks, block_keys
+from specd.workers.prefix_affinity import (
+    CacheShape,
+    PrefixAffinity,
+    PromptBlocks,
+    block_keys,
+    next_key,
+)
 from specd.workers.scheduler.scheduler import shared_prefix_len
 from specd.workers.testing import (
     DEMO_EAGLE,
@@ -62,13 +68,18 @@ def test_insert_hands_back_pages_whose_tokens_are_cached_already():
         cache.insert([1, 2, 3, 4, 5, 6], first)
 
 
-def test_eviction_reports_each_evicted_pages_path():
+def test_eviction_reports_the_key_of_each_block_ending_page():
+    """Pages that end a block (here 2 pages) carry the chained key of every token above
+    them, computed on insertion; evicting them reports it, leaves first."""
     allocator = PagedTokenAllocator(num_pages=6, page_size=2)
     evicted = []
-    cache = PrefixCache(allocator, evicted.append)
-    cache.insert([1, 1, 2, 2, 3, 3], allocator.alloc_pages(3))
-    assert cache.evict(2) == 2
-    assert evicted == [[1, 1, 2, 2, 3, 3], [1, 1, 2, 2]]  # leaves first, root to page end
+    cache = PrefixCache(allocator, evicted.append, block_tokens=4)
+    pages = allocator.alloc_pages(4)
+    cache.insert([1, 1, 2, 2, 3, 3, 4, 4], pages)
+    cache.insert([1, 1, 2, 2, 5, 5], [*pages[:2], *allocator.alloc_pages(1)])  # shares block 0
+    assert cache.evict(5) == 5
+    first = next_key(0, [1, 1, 2, 2])
+    assert evicted == [next_key(first, [3, 3, 4, 4]), first]
 
 
 def test_eviction_takes_least_recently_used_leaves_and_spares_borrowed_pages():

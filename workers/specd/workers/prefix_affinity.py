@@ -12,8 +12,9 @@ A block is the smallest multiple of the replica's page size that holds at least
 `MIN_BLOCK_TOKENS` tokens, so a page size of 1 does not cost one key per token.
 
 The guess is corrected by the engines' evictions: an engine that evicts the cached page
-ending a block puts that block's key in its status (`EvictedBlocks`, the same chained
-keys), and the gateway takes it off the replica's record at its next probe.  An engine
+ending a block puts that block's key in its status (`EvictedBlocks`: its prefix cache
+keys each block-ending page with the same `next_key` chain when inserting it), and the
+gateway takes it off the replica's record at its next probe.  An engine
 may still evict between two probes, or more than its status keeps; a wrong guess costs
 a prefill, never a wrong answer.
 """
@@ -49,35 +50,34 @@ class CacheShape:
         return None if not shape else cls(int(shape["page_size"]), int(shape["capacity_tokens"]))
 
 
-def chained_keys(tokens: Sequence[int], block_tokens: int) -> list[int]:
-    """The key of each whole block of ``tokens``, chained to the keys before it."""
-    keys, key = [], 0
-    for start in range(0, len(tokens) // block_tokens * block_tokens, block_tokens):
-        key = hash((key, *tokens[start : start + block_tokens]))
-        keys.append(key)
-    return keys
+def next_key(previous: int, block: Sequence[int]) -> int:
+    """A block's key: its tokens chained to the key of the block before it (0 first)."""
+    return hash((previous, *block))
 
 
 def block_keys(prompt: Sequence[int], block_tokens: int) -> list[int]:
     """Chained keys of ``prompt``'s whole blocks that a request could start on: the
     engine lends every cached page but the one holding the prompt's last token."""
-    return chained_keys(prompt[: max(len(prompt) - 1, 0)], block_tokens)
+    keys, key = [], 0
+    for start in range(0, (len(prompt) - 1) // block_tokens * block_tokens, block_tokens):
+        key = next_key(key, prompt[start : start + block_tokens])
+        keys.append(key)
+    return keys
 
 
 class EvictedBlocks:
-    """Engine side: the keys of blocks whose last page the prefix cache evicted, for the
-    gateway (the newest ``keep``, and how many ever: it takes those it has not seen)."""
+    """Engine side: the keys of blocks whose last page the prefix cache evicted (the
+    trie keys its block-ending pages with `next_key` as they are inserted), for the
+    gateway: the newest ``keep``, and how many ever (it takes those it has not seen)."""
 
     def __init__(self, page_size: int, keep: int = 256):
         self.block_tokens = CacheShape(page_size, 0).block_tokens
         self.keys: deque[int] = deque(maxlen=keep)
         self.total = 0
 
-    def evicted(self, path: Sequence[int]) -> None:
-        """The cached page ending ``path`` (every token from the root) was evicted."""
-        if path and len(path) % self.block_tokens == 0:
-            self.keys.append(chained_keys(path, self.block_tokens)[-1])
-            self.total += 1
+    def evicted(self, key: int) -> None:
+        self.keys.append(key)
+        self.total += 1
 
     def snapshot(self) -> dict:
         return {"total": self.total, "keys": list(self.keys)}

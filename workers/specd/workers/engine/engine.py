@@ -310,7 +310,9 @@ class Engine:
         ops = ops_for_backend(backend_name)
         self.evicted_blocks = EvictedBlocks(page)  # for the gateway's cache-aware routing
         cache = (
-            PrefixCache(self.allocator, self.evicted_blocks.evicted)
+            PrefixCache(
+                self.allocator, self.evicted_blocks.evicted, self.evicted_blocks.block_tokens
+            )
             if spec.kv_cache.prefix_cache
             else None
         )

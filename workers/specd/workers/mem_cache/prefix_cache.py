@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.prefix_affinity import next_key
 
 
 @dataclass(eq=False, slots=True)
@@ -34,15 +35,7 @@ class _Node:
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
     lock_ref: int = 0  # requests borrowing this page (and every page below it they use)
     last_used: int = 0
-
-
-def _path_tokens(node: _Node) -> list[int]:
-    """Every token from the root to the end of ``node``'s page."""
-    pages = []
-    while node.parent is not None:
-        pages.append(node.key)
-        node = node.parent
-    return [t for key in reversed(pages) for t in key]
+    block_key: int | None = None  # set where the page ends a block (``block_tokens``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +53,19 @@ class CachedPrefix:
 
 
 class PrefixCache:
-    """``on_evict(path)``: called with every token from the root to an evicted page's end."""
+    """With ``block_tokens`` (a multiple of the page size), each page that ends a block
+    of that many tokens is keyed as the gateway keys prompts (`prefix_affinity.next_key`,
+    computed once, on insertion), and ``on_evict(key)`` hears of its eviction."""
 
     def __init__(
         self,
         allocator: PagedTokenAllocator,
-        on_evict: Callable[[list[int]], None] | None = None,
+        on_evict: Callable[[int], None] | None = None,
+        block_tokens: int = 0,
     ):
         self.allocator = allocator
         self.on_evict = on_evict
+        self.block_tokens = block_tokens
         self.page_size = allocator.page_size
         self._root = _Node((), -1, None)
         self._clock = itertools.count(1)
@@ -119,15 +116,20 @@ class PrefixCache:
         if len(keys) != len(pages):
             raise ValueError(f"{len(pages)} pages for {len(tokens)} tokens")
         node, now, duplicates = self._root, next(self._clock), []
-        for key, page in zip(keys, pages, strict=True):
+        block, last_block_key = self.block_tokens, 0
+        for end, (key, page) in enumerate(zip(keys, pages, strict=True), 1):
+            end *= self.page_size  # tokens from the root to this page's end
             child = node.children.get(key)
             if child is None:
                 child = _Node(key, page, node)
+                if block and end % block == 0:
+                    child.block_key = next_key(last_block_key, tokens[end - block : end])
                 node.children[key] = child
                 self.num_pages += 1
             elif child.page != page:
                 duplicates.append(page)
             child.last_used = now
+            last_block_key = child.block_key if child.block_key is not None else last_block_key
             node = child
         return duplicates
 
@@ -141,8 +143,8 @@ class PrefixCache:
         freed = []
         while leaves and len(freed) < num_pages:
             _, _, node = heapq.heappop(leaves)
-            if self.on_evict is not None:
-                self.on_evict(_path_tokens(node))
+            if self.on_evict is not None and node.block_key is not None:
+                self.on_evict(node.block_key)
             parent = node.parent
             del parent.children[node.key]
             freed.append(node.page)
