@@ -89,6 +89,20 @@ class ResponseFormatParam(_Lenient):
         return value
 
 
+def output_constraints(fields: Mapping[str, Any]) -> list[str]:
+    """Which of a request's grammar fields ask for one (``fields``: its values by name)."""
+    fmt = fields.get("response_format")
+    return [
+        name
+        for name, on in (
+            ("response_format", fmt is not None and fmt.type != "text"),
+            ("regex", fields.get("regex") is not None),
+            ("ebnf", fields.get("ebnf") is not None),
+        )
+        if on
+    ]
+
+
 class _GenerationRequest(_Lenient):
     """Fields shared by completions and chat completions."""
 
@@ -139,16 +153,7 @@ class _GenerationRequest(_Lenient):
 
     @model_validator(mode="after")
     def _one_grammar(self) -> Self:
-        fmt = self.response_format
-        asked = [
-            name
-            for name, on in (
-                ("response_format", fmt is not None and fmt.type != "text"),
-                ("regex", self.regex is not None),
-                ("ebnf", self.ebnf is not None),
-            )
-            if on
-        ]
+        asked = output_constraints(vars(self))
         if len(asked) > 1:
             raise ValueError(f"send one output constraint, not {' and '.join(asked)}")
         return self
@@ -427,13 +432,7 @@ class ChatCompletionRequest(_GenerationRequest):
             return value
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
             raise ValueError(f"names {value.function.name!r}, which is not one of the tools")
-        fmt = info.data.get("response_format")
-        others = (
-            fmt is not None and fmt.type != "text",
-            info.data.get("regex"),
-            info.data.get("ebnf"),
-        )
-        if value != "none" and any(o for o in others):
+        if value != "none" and output_constraints(info.data):
             raise ValueError(
                 "a tool call is the output's constraint: send no response_format, regex or ebnf"
             )

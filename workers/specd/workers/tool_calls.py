@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specd.workers.engine.types import Grammar
@@ -27,14 +27,15 @@ from specd.workers.engine.types import Grammar
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def with_id(self) -> ToolCall:
-        return ToolCall(self.name, self.arguments, f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=_call_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class CallFormat:
             ):
                 pos = start
                 break
-            calls.append(ToolCall(call["name"], json.dumps(call[self.args_key])).with_id())
+            calls.append(ToolCall(call["name"], json.dumps(call[self.args_key])))
             pos = _skip_space(text, end)
             if self.close and text.startswith(self.close, pos):
                 pos += len(self.close)
@@ -153,8 +154,8 @@ class ToolCallReader:
         except ValueError:
             return text, [], finish
         if self.choice != "required":  # OpenAI answers "stop" for a named function
-            return None, [ToolCall(self.choice, json.dumps(value)).with_id()], finish
-        calls = [ToolCall(c["name"], json.dumps(c["parameters"])).with_id() for c in value]
+            return None, [ToolCall(self.choice, json.dumps(value))], finish
+        calls = [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
         return None, calls, "tool_calls"
 
     def streamable(self, text: str) -> tuple[str, str]:

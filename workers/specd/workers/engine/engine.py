@@ -266,9 +266,7 @@ class Engine:
         )
         self.scheduler.sessions = self.sessions
         self.outputs = OutputProcessor(self.metrics, self.tokenizer, self.scheduler.finish)
-        self.grammars = Grammars(
-            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
-        )
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if self.spec_decoder is not None:
             self.scheduler.on_release = self._forget_draft_state
         self._refresh_status()

@@ -225,10 +225,9 @@ class LogitsProcessors:
         for i, req in enumerate(reqs):
             if req.grammar is not None:
                 if host is None:
-                    host = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
-                req.grammar.advance(
-                    host[i : i + 1] if isinstance(tokens, torch.Tensor) else host[i]
-                )
+                    one_each = isinstance(tokens, torch.Tensor)
+                    host = [[t] for t in tokens.tolist()] if one_each else tokens
+                req.grammar.advance(host[i])
             st = req.logits_state
             if st is None:
                 continue

@@ -156,9 +156,13 @@ class GrammarState:
                 raise RuntimeError(f"structured output: the grammar refused emitted token {token}")
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask [R, W] -> bool [R, vocab_size]: which tokens each row allows."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+def allowed_tokens(
+    bitmasks: Sequence[torch.Tensor], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Bitmasks [R_i, W] -> bool [sum R_i, vocab_size] on ``device``: which tokens each
+    row allows (the packed masks are moved, then unpacked there)."""
+    bitmask = torch.cat(list(bitmasks)).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.flatten(1)[:, :vocab_size].bool()
 
@@ -166,9 +170,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def mask_rows(logits: torch.Tensor, rows: Sequence[int], bitmasks: Sequence[torch.Tensor]) -> None:
     """Set to -inf, in place, the logits [B, R, V] of request ``rows[i]`` that
     ``bitmasks[i]`` [R, W] disallows (one unpack and one fill for the whole batch)."""
-    vocab = logits.shape[-1]
-    bitmask = torch.cat(list(bitmasks)).to(logits.device, non_blocking=True)  # unpacked there
-    allowed = allowed_tokens(bitmask, vocab)
+    allowed = allowed_tokens(bitmasks, logits.shape[-1], logits.device)
     index = torch.tensor(list(rows), device=logits.device)
     picked = logits[index]
     logits[index] = picked.masked_fill(~allowed.view(picked.shape), float("-inf"))

@@ -87,9 +87,7 @@ class DraftGuide:
         index = torch.tensor(self.rows, device=logprobs.device)
         picked = out[index]  # [n, ..., V_draft]
         vocab = picked.shape[-1]
-        target_vocab = int(bitmasks[0].shape[1]) * 32
-        bitmask = torch.cat(bitmasks).to(logprobs.device, non_blocking=True)  # unpacked there
-        allowed = allowed_tokens(bitmask, target_vocab)
+        allowed = allowed_tokens(bitmasks, int(bitmasks[0].shape[1]) * 32, logprobs.device)
         allowed = (
             allowed[:, self.draft_to_target]
             if self.draft_to_target is not None
