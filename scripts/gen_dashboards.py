@@ -17,14 +17,15 @@ OUT = Path(__file__).resolve().parents[1] / "charts" / "specd" / "dashboards"
 
 DS = {"type": "prometheus", "uid": "${datasource}"}
 FILTER = 'deployment=~"$deployment", replica=~"$replica"'
+GATEWAY_FILTER = 'deployment=~"$deployment"'  # the gateway's own series: no replica label
 WINDOW = "[$__rate_interval]"
 PER_REPLICA = "deployment, replica"
 REPLICA_LEGEND = "{{deployment}}/{{replica}}"
 
 
-def sel(metric: str, matchers: str = "") -> str:
-    """``metric`` with the dashboard filter (plus ``matchers``)."""
-    return f"{metric}{{{matchers + ', ' if matchers else ''}{FILTER}}}"
+def sel(metric: str, matchers: str = "", scope: str = FILTER) -> str:
+    """``metric`` with the dashboard filter ``scope`` (plus ``matchers``)."""
+    return f"{metric}{{{matchers + ', ' if matchers else ''}{scope}}}"
 
 
 def rate(
@@ -33,10 +34,11 @@ def rate(
     matchers: str = "",
     fn: str = "rate",
     window: str = WINDOW,
+    scope: str = FILTER,
 ) -> str:
-    """``sum by (by) (fn(metric{filter}[window]))``; ``by=None`` sums everything."""
+    """``sum by (by) (fn(metric{scope}[window]))``; ``by=None`` sums everything."""
     grouping = f" by ({by})" if by else ""
-    return f"sum{grouping} ({fn}({sel(metric, matchers)}{window}))"
+    return f"sum{grouping} ({fn}({sel(metric, matchers, scope)}{window}))"
 
 
 def per_replica(metric: str, agg: str = "sum") -> str:
@@ -279,14 +281,26 @@ def speculative() -> dict:
                 [(per_replica("specd_session_kv_tokens"), REPLICA_LEGEND)],
             ),
             panel(
-                "Sessions open and session KV evictions",
+                "Sessions open, KV evictions and moves",
                 [
                     (per_replica("specd_sessions_open"), f"{REPLICA_LEGEND} open"),
                     (
                         rate("specd_session_kv_evictions_total", fn="increase"),
                         f"{REPLICA_LEGEND} evicted",
                     ),
+                    (
+                        rate(
+                            "specd_gateway_session_moves_total",
+                            "deployment, outcome",
+                            fn="increase",
+                            scope=GATEWAY_FILTER,
+                        ),
+                        "{{deployment}} moved: {{outcome}}",
+                    ),
                 ],
+                description="Moves: idle sessions of replicas retired by a rolling update or "
+                "scale-down, moved with their KV (kv), with their history only (history), "
+                "or ended (no replica could take them)",
             ),
             panel(
                 "KV leak checks/s by pool, mode, result",

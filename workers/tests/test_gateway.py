@@ -29,9 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import specd
 from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.gateway import Gateway
 from specd.workers.pool import PoolController
-from specd.workers.testing import running_gateway
+from specd.workers.testing import in_loop, running_gateway
 from specd.workers.tools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
@@ -151,15 +150,6 @@ def gateway(serve_gateway, model_dir):
 def http(gateway):
     with httpx.Client(base_url=gateway.url, timeout=60) as client:
         yield client
-
-
-def in_loop(gw: Gateway, fn, *args):
-    """Run ``fn(*args)`` on the gateway's event loop (the pool is not thread-safe)."""
-
-    async def call():
-        return fn(*args)
-
-    return asyncio.run_coroutine_threadsafe(call(), gw.loop).result(timeout=10)
 
 
 def sse_events(lines) -> list:

@@ -22,6 +22,8 @@ import ray
 from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
+from specd.workers.session_homes import SessionHomes
+from specd.workers.testing import in_loop
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
@@ -390,3 +392,53 @@ async def test_a_turn_right_after_a_client_abort_is_not_refused(client):
         assert r.status_code in (200, 409), r.text
     assert conflicts == 0
     assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+
+
+async def test_sessions_survive_a_rolling_update(client, gateway):
+    """A spec change rolls both replicas while one conversation goes on: each drained
+    replica's idle sessions move with their KV, so no turn fails, every turn reuses its
+    whole history, and idle sessions continue as plain generation over their history
+    does.  A gateway that never saw the moves (one that restarted) finds the sessions by
+    asking the replicas."""
+    pool = gateway.pool
+    idle = {await open_session(client): [] for _ in range(3)}
+    talker, talked = await open_session(client), 0  # history length
+
+    async def exact_turn(sid: str, prompt: list[int]) -> None:
+        history = idle[sid]
+        ref_ids, ref_text = await plain_generation(gateway, history + prompt)
+        r = await turn(client, sid, prompt)
+        assert r.status_code == 200, r.text
+        assert text_of(r.json()) == ref_text and cached(r.json()["usage"]) == len(history)
+        history += prompt + ref_ids
+
+    async def talk(prompt: list[int]) -> int:
+        r = await turn(client, talker, prompt, max_tokens=2)
+        assert r.status_code == 200, r.text
+        assert cached(r.json()["usage"]) == talked
+        await asyncio.sleep(0.1)
+        return r.json()["usage"]["total_tokens"]
+
+    for sid in idle:
+        await exact_turn(sid, [5, 6, 7])
+    talked = await talk([5])
+    before = pool.spec
+    new = before.model_copy(update={"max_running_requests": before.max_running_requests - 1})
+    in_loop(gateway, pool.update_spec, new)
+    deadline = time.monotonic() + 120
+    while not pool.converged():
+        assert time.monotonic() < deadline, "the rolling update did not finish"
+        talked = await talk([6, 7])
+    assert {r.config_hash for r in pool.ready()} == {new.config_hash()}
+    assert pool.session_homes.outcomes["ended"] == 0
+    assert pool.session_homes.outcomes["kv"] >= len(idle)
+    assert any(e["event"] == "sessions moved" for e in pool.events)
+    for sid in idle:
+        await exact_turn(sid, [8, 9])
+
+    in_loop(gateway, setattr, pool, "session_homes", SessionHomes())  # a restarted gateway's
+    for sid in idle:
+        await exact_turn(sid, [10])
+    talked = await talk([11])
+    for sid in [*idle, talker]:
+        await close_session(client, sid)

@@ -14,7 +14,12 @@ import pytest
 from tokenizers import Tokenizer
 
 from specd.workers.debug_toggles import reverted_behaviours
-from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
+from specd.workers.engine.types import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    SessionError,
+)
 from specd.workers.testing import (
     DEMO_MODELS,
     collect,
@@ -24,6 +29,7 @@ from specd.workers.testing import (
     start_engine,
     wait_idle,
 )
+from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 
 MAX_NEW = 12
 CONFIGS = {
@@ -425,3 +431,130 @@ def test_reserve_single_toggle_fails_the_session_leak_check(toggle):
         )
     finally:
         engine.shutdown()
+
+
+# -- moves between engines (a retired replica's idle sessions) ---------------------------
+
+MOVED_TURNS = random_prompts(3, 300, seed=23, lo=5, hi=15)
+
+
+def two_turns_then_leave(source, sid):
+    """Run the first two turns on ``source``, then export the session."""
+
+    async def go():
+        for i, prompt in enumerate(MOVED_TURNS[:2]):
+            await turn(source, sid, f"t{i}", prompt)
+        return await source.export_session(sid)
+
+    return asyncio.run(go())
+
+
+def third_turn(engine, sid):
+    return asyncio.run(turn(engine, sid, "t2", MOVED_TURNS[2]))
+
+
+@pytest.mark.parametrize("config", ["plain", "tree-overlap-page16"])
+def test_a_session_moves_with_its_kv_and_continues_exactly(models, config):
+    """Two turns on one engine, a move, the third turn on another engine (another page
+    size): the same tokens as without sessions, with the whole history reused as KV."""
+    source = session_engine(models, CONFIGS[config])
+    dest = session_engine(models, CONFIGS[config], kvCache={"pageSize": 8})
+    try:
+        expected = expected_chain(source, MOVED_TURNS)
+        sid = source.open_session()
+        snapshot = two_turns_then_leave(source, sid)
+        history = sum(len(p) for p in MOVED_TURNS[:2]) + 2 * len(expected[0])
+        assert len(snapshot.history) == history and snapshot.kv
+        assert asyncio.run(dest.import_session(snapshot)) is True
+
+        tokens, _, last = third_turn(dest, sid)
+        assert tokens == expected[2]
+        assert last.usage.cached_tokens == history
+        assert metric_value(dest, "specd_session_arrivals_total", carried="kv") == 1
+        with pytest.raises(SessionError, match="moved to another replica") as gone:
+            source.close_session(sid)
+        assert gone.value.code == 410
+        dest.close_session(sid)
+        assert_clean(source)
+        assert_clean(dest)
+    finally:
+        source.shutdown()
+        dest.shutdown()
+
+
+def test_kv_computed_otherwise_stays_behind_and_the_history_moves(models):
+    """A destination without the source's draft (another KV layout) takes the history
+    only: the next turn prefills it (cached 0) and continues exactly."""
+    source = session_engine(models, CONFIGS["chain-overlap"])
+    dest = session_engine(models, CONFIGS["plain"])
+    try:
+        expected = expected_chain(dest, MOVED_TURNS)
+        sid = source.open_session()
+        snapshot = two_turns_then_leave(source, sid)
+        assert asyncio.run(dest.import_session(snapshot)) is False
+        tokens, _, last = third_turn(dest, sid)
+        assert tokens == expected[2] and last.usage.cached_tokens == 0
+        assert last.usage.prompt_tokens == len(snapshot.history) + len(MOVED_TURNS[2])
+        dest.close_session(sid)
+        assert_clean(dest)
+    finally:
+        source.shutdown()
+        dest.shutdown()
+
+
+def test_a_destination_short_of_kv_takes_the_history_only(models):
+    source = session_engine(models, CONFIGS["plain"])
+    dest = session_engine(models, CONFIGS["plain"], kvCache={"maxTokens": 32, "pageSize": 16})
+    try:
+        sid = source.open_session()
+        snapshot = two_turns_then_leave(source, sid)
+        assert len(snapshot.history) > 32
+        assert asyncio.run(dest.import_session(snapshot)) is False
+        assert dest.status()["kv_used_tokens"] == 0
+        assert metric_value(dest, "specd_session_arrivals_total", carried="history") == 1
+        dest.close_session(sid)
+        assert_clean(dest)
+    finally:
+        source.shutdown()
+        dest.shutdown()
+
+
+def test_refused_moves_leave_the_destination_untouched(models, tmp_path):
+    """Each refusal names why; the destination holds nothing after it, and the same
+    snapshot still moves to a replica that can take it."""
+    source = session_engine(models, CONFIGS["plain"])
+    other_vocab = make_tiny_checkpoint(tmp_path / "other")
+    refusing = {
+        "sessions are disabled": (session_engine(models, {}, sessions={"enabled": False}), 400),
+        "sessions are open": (session_engine(models, {}, sessions={"maxSessions": 1}), 429),
+        "this replica reads": (session_engine((str(other_vocab), None), {}), 409),
+        "no room in the context length": (
+            session_engine(models, {}, model={"contextLength": 32}),
+            409,
+        ),
+    }
+    full = refusing["sessions are open"][0]
+    full.open_session()
+    try:
+        sid = source.open_session()
+        snapshot = two_turns_then_leave(source, sid)
+        for needle, (engine, code) in refusing.items():
+            with pytest.raises(SessionError, match=needle) as refused:
+                asyncio.run(engine.import_session(snapshot))
+            assert refused.value.code == code
+            assert engine.status()["kv_used_tokens"] == 0
+            assert not engine.sessions.holds(sid)
+        with pytest.raises(SessionError) as twice:
+            asyncio.run(source.export_session(sid))
+        assert twice.value.code == 410
+        with pytest.raises(SessionError) as unknown:
+            asyncio.run(source.export_session("0" * 32))
+        assert unknown.value.code == 404
+        assert asyncio.run(source.import_session(snapshot)) is True  # back home
+        assert third_turn(source, sid)[2].usage.cached_tokens == len(snapshot.history)
+        source.close_session(sid)
+        assert_clean(source)
+    finally:
+        source.shutdown()
+        for engine, _ in refusing.values():
+            engine.shutdown()

@@ -27,6 +27,7 @@ from specd.workers.engine.types import (
     GenerateDelta,
     GenerateRequest,
     SessionError,
+    SessionSnapshot,
 )
 
 # Every in-flight stream holds one concurrency slot, and status/ping/abort calls must
@@ -43,6 +44,8 @@ class SessionReply:
     session_id: str | None = None
     error: str | None = None
     code: int = 200
+    kv_moved: bool = False  # import_session: the session's KV came along
+    from_source: bool = False  # import_session: the source's export refused
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,32 @@ class EngineActor:
     async def close_session(self, session_id: str) -> SessionReply:
         """Close a session; a turn in flight on it is aborted."""
         return _session_call(self._engine.close_session, session_id)
+
+    async def has_session(self, session_id: str) -> bool:
+        return self._engine.sessions.holds(session_id)
+
+    async def idle_session_ids(self) -> list[str]:
+        return await self._engine.idle_session_ids()
+
+    async def export_session(self, session_id: str) -> SessionSnapshot | SessionReply:
+        """Take an idle session out for a move (the pool passes the result, unawaited,
+        to another replica's `import_session`)."""
+        try:
+            return await self._engine.export_session(session_id)
+        except SessionError as err:
+            return SessionReply(error=str(err), code=err.code, from_source=True)
+
+    async def import_session(self, snapshot: SessionSnapshot | SessionReply) -> SessionReply:
+        """Hold a session exported by another replica (refused while draining)."""
+        if isinstance(snapshot, SessionReply):
+            return snapshot
+        if self._draining:
+            return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
+        try:
+            kv_moved = await self._engine.import_session(snapshot)
+        except SessionError as err:
+            return SessionReply(error=str(err), code=err.code)
+        return SessionReply(session_id=snapshot.session_id, kv_moved=kv_moved)
 
     async def info(self) -> dict[str, Any]:
         """Static facts: answered once the model is loaded (the readiness signal)."""

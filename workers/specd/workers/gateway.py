@@ -24,7 +24,8 @@ gateway has an admin token it needs ``Authorization: Bearer <token>``.
 Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an id that
 names that replica's actor (`router.session_token`), so any gateway routes a turn
 (a generation request with ``session_id``) to it without shared state.  A turn goes
-to that replica only; if it has left the pool the session is gone (410).  A turn's
+to that replica, or to the one its session moved to when that replica was retired
+(`session_homes`); if it died the session is gone (410).  A turn's
 prompt is tokenized as usual; the engine drops the BOS of turns after the first.
 """
 
@@ -85,7 +86,13 @@ from specd.workers.openai_protocol import (
     render_logprobs,
 )
 from specd.workers.parallel_choices import choice_requests, merge_streams
-from specd.workers.pool import PoolController, Replica, ReplicaError, replica_of_actor
+from specd.workers.pool import (
+    PoolController,
+    Replica,
+    ReplicaError,
+    ReplicaState,
+    replica_of_actor,
+)
 from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
@@ -164,6 +171,12 @@ def _error_delta(rid: str, status: int, message: str) -> GenerateDelta:
     return GenerateDelta(
         rid=rid, finished=True, finish_reason=FinishReason.ERROR, error=message, error_code=status
     )
+
+
+def _refused(delta: GenerateDelta) -> bool:
+    """A replica's refusal before any token (draining, or unhealthy): the request may
+    go elsewhere."""
+    return delta.finished and delta.error_code == 503 and not delta.token_ids
 
 
 def _failure(delta: GenerateDelta) -> ApiError | None:
@@ -338,15 +351,16 @@ class _Api:
             message = "sessions are disabled on this deployment (set spec.sessions.enabled: true)"
             raise ApiError(400, _about(param, message), param)
 
-    def session_route(self, session_id: str, param: str | None) -> _SessionRoute:
-        """Where ``session_id`` lives: 404 if it is no session id, 410 if its replica has
-        left the pool (died, replaced, rolled out)."""
+    async def session_route(self, session_id: str, param: str | None) -> _SessionRoute:
+        """Where ``session_id`` lives: the replica that opened it, or the one it moved to
+        when that one was retired; 404 if it is no session id, 410 if it is nowhere (its
+        replica died, or no replica could take it)."""
         self.check_sessions_enabled(param)
         parsed = parse_session_token(session_id)
         if parsed is None:
             raise ApiError(404, _about(param, f"no session {session_id!r}"), param)
         ray_name, engine_sid = parsed
-        replica = self.pool.serving_actor(ray_name)
+        replica = await self.pool.find_session(ray_name, engine_sid)
         if replica is None:
             raise _session_gone(session_id, ray_name, param)
         return _SessionRoute(session_id, replica, engine_sid)
@@ -375,7 +389,7 @@ class _Api:
 
     async def close_session(self, session_id: str) -> SessionDeleted:
         """Close ``session_id`` on its replica (a turn in flight is aborted)."""
-        route = self.session_route(session_id, None)
+        route = await self.session_route(session_id, None)
         try:
             reply = await self.pool.call(route.replica, "close_session", route.engine_sid)
         except ReplicaError as err:
@@ -401,7 +415,7 @@ class _Api:
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
         else:  # one choice: validated
-            route = self.session_route(body.session_id, "session_id")
+            route = await self.session_route(body.session_id, "session_id")
             turn = replace(req, session_id=route.engine_sid)
             choices = [self.turn_deltas(turn, route, request)]
         try:
@@ -457,7 +471,7 @@ class _Api:
             try:
                 async with contextlib.aclosing(self.pool.stream(replica, req)) as stream:
                     async for delta in stream:
-                        if not sent and delta.finished and delta.error_code == 503:
+                        if not sent and _refused(delta):
                             refusal = delta  # draining or unhealthy: try another replica
                             break
                         sent = True
@@ -474,15 +488,26 @@ class _Api:
         self, req: GenerateRequest, route: _SessionRoute, client: Request
     ) -> AsyncGenerator[GenerateDelta, None]:
         """A session turn's deltas from its session's replica only: the history lives
-        there, so nothing is retried elsewhere; a replica lost meanwhile means 410."""
+        there, so nothing is retried elsewhere; a replica lost meanwhile means 410.  A
+        replica that began draining as the turn set out refuses it (503), and the turn
+        follows its session to where it moves."""
         await self._previous_turn_settled(route.session_id)
         turn = self._turns[route.session_id] = _Turn(client)
         finished = False
         try:
-            async with contextlib.aclosing(self.pool.stream(route.replica, req)) as stream:
-                async for delta in stream:
-                    finished = delta.finished
-                    yield route.in_gateway_terms(delta)
+            while True:
+                async with contextlib.aclosing(self.pool.stream(route.replica, req)) as stream:
+                    async for delta in stream:
+                        if _refused(delta) and route.replica.state is ReplicaState.DRAINING:
+                            break
+                        finished = delta.finished
+                        yield route.in_gateway_terms(delta)
+                    else:
+                        break
+                route = await self.session_route(route.session_id, "session_id")
+        except ApiError as err:
+            finished = True
+            yield _error_delta(req.rid, err.status, err.message)
         except ReplicaError as err:
             finished = True  # nothing left to abort
             if err.lost:

@@ -94,7 +94,8 @@ class _Families:
 
 
 class _RoutingCounts:
-    """The pool's routing counts (`PoolController.route`) as counters, read at scrape."""
+    """The pool's counts as counters, read at scrape: routing (`PoolController.route`)
+    and session moves (`SessionHomes.outcomes`)."""
 
     def __init__(self) -> None:
         self.pool: PoolController | None = None
@@ -120,7 +121,15 @@ class _RoutingCounts:
         )
         for replica, count in sorted(self.pool.routed_hit_tokens.items()):
             hits.add_metric([replica], count)
-        return [routed, hits]
+        moves = CounterMetricFamily(
+            "specd_gateway_session_moves",
+            "Idle sessions of retired replicas, by outcome: kv (moved with their KV), "
+            "history (moved; the next turn re-prefills), ended (no replica could take them)",
+            labels=["outcome"],
+        )
+        for outcome in ("kv", "history", "ended"):
+            moves.add_metric([outcome], self.pool.session_homes.outcomes[outcome])
+        return [routed, hits, moves]
 
 
 class CountRequests:

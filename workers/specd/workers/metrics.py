@@ -75,6 +75,12 @@ class EngineMetrics:
             "specd_session_kv_evictions",
             "Session KV freed under memory pressure (history kept; the next turn re-prefills)",
         )
+        self.session_arrivals = counter(
+            "specd_session_arrivals",
+            "Sessions moved here from a draining replica, by what came along: kv, or "
+            "history only (the next turn re-prefills it)",
+            ["carried"],
+        )
         self.aborts = counter("specd_aborts", "Requests aborted before finishing")
         self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
         self.structured_requests = counter(

@@ -11,7 +11,9 @@ Starting and retiring run as tasks, so a slow model load never stalls health pro
 A dead actor is killed and replaced under a new replica name (``r0, r1, ...`` never
 reused), so metrics of a replacement never mix with its predecessor's.  A config-hash
 change rolls one replica at a time with one surge replica: start new -> ready ->
-drain old -> kill old.
+drain old -> kill old.  A drained replica's idle sessions move to the others before it is
+killed, with their KV (`session_homes`), so no conversation is lost to a roll or a
+scale-down.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
 from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks
 from specd.workers.router import ReplicaLoad, pick_for_prompt, pick_replica
+from specd.workers.session_homes import SessionHomes
 
 log = logging.getLogger(__name__)
 
 MAX_START_BACKOFF_S = 60.0
+_MAX_SESSION_HOPS = 8  # replicas a session may have moved through (then: ask around)
 
 
 class ReplicaState(str, Enum):
@@ -208,6 +212,7 @@ class PoolController:
         self.routed: Counter[tuple[str, str]] = Counter()
         self.routed_hit_tokens: Counter[str] = Counter()
         self.released = False  # `stop` ran: the actors are gone and stay gone
+        self.session_homes = SessionHomes()  # where the sessions of retired replicas went
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -565,20 +570,60 @@ class PoolController:
         replica.state = ReplicaState.DRAINING
         self._event(replica.name, "draining", "")
         if was_ready:
+            self.session_homes.begin_leaving(replica.actor_name)
             try:
-                left = await asyncio.wait_for(
-                    replica.handle.drain.remote(timeout_s), timeout_s + self.probe_timeout_s
-                )
-            except (TimeoutError, RayError) as err:
-                left = f"unknown ({_describe(err)})"
-            if left:
-                self._event(
-                    replica.name, "drain timeout", f"{left} requests still running are cut off"
-                )
+                await self._drain(replica, timeout_s)
+                if not self.released:
+                    await self._move_sessions(replica)
+            finally:
+                self.session_homes.end_leaving(replica.actor_name)
         self._kill(replica)
         replica.state = ReplicaState.DEAD
         self._event(replica.name, "retired", "")
         self._kick()
+
+    async def _drain(self, replica: Replica, timeout_s: float) -> None:
+        """Let ``replica``'s requests in flight finish (``timeout_s`` at most)."""
+        try:
+            left = await asyncio.wait_for(
+                replica.handle.drain.remote(timeout_s), timeout_s + self.probe_timeout_s
+            )
+        except (TimeoutError, RayError) as err:
+            left = f"unknown ({_describe(err)})"
+        if left:
+            self._event(replica.name, "drain timeout", f"{left} requests still running are cut off")
+
+    async def _move_sessions(self, replica: Replica) -> None:
+        """Move drained ``replica``'s idle sessions to the replicas new sessions would
+        go to (`SessionHomes.move_sessions`), current ones first (in a rolling update,
+        not to a replica that leaves next)."""
+        want = self.spec.config_hash()
+        outdated = {r.name for r in self.ready() if r.config_hash != want}
+
+        def pick(tried: set[str]) -> Replica | None:
+            current = self.pick(tried | outdated, for_session=True)
+            return current or self.pick(tried, for_session=True)
+
+        moved = await self.session_homes.move_sessions(replica, pick, self.probe_timeout_s)
+        if moved:
+            detail = ", ".join(f"{moved[k]} {k}" for k in ("kv", "history", "ended") if moved[k])
+            self._event(replica.name, "sessions moved", f"{detail} (kv: with their KV)")
+
+    async def find_session(self, ray_name: str, engine_sid: str) -> Replica | None:
+        """The ready replica holding session ``engine_sid``, opened on actor ``ray_name``:
+        that actor's, or (once that replica has drained and moved it) where it went."""
+        actor = ray_name
+        for _ in range(_MAX_SESSION_HOPS):
+            if (replica := self.serving_actor(actor)) is not None:
+                return replica
+            await self.session_homes.settled(actor, self.drain_timeout_s + 2 * self.probe_timeout_s)
+            home = self.session_homes.home_of(engine_sid)
+            if home is None or home == actor:
+                break
+            actor = home  # it moved; that replica may be leaving too
+        # e.g. it moved before this gateway started: ask around
+        home = await self.session_homes.find(engine_sid, self.ready(), self.probe_timeout_s)
+        return None if home is None else self.serving_actor(home)
 
     # -- helpers ----------------------------------------------------------------
     def _spawn(self, coro) -> None:

@@ -40,6 +40,15 @@ class RecordingOps(TorchOps):
         super().write_req_to_token(req_to_token, rows, starts, slots, lens)
 
 
+def in_loop(gw, fn, *args):
+    """Run ``fn(*args)`` on a `Gateway`'s event loop (the pool is not thread-safe)."""
+
+    async def call():
+        return fn(*args)
+
+    return asyncio.run_coroutine_threadsafe(call(), gw.loop).result(timeout=10)
+
+
 @contextlib.contextmanager
 def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
     """A `Gateway` (uvicorn in a thread, free loopback port) on the Ray already initialized,

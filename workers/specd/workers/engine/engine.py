@@ -31,12 +31,14 @@ from specd.workers.engine.logits_processors import LogitsProcessors, check_proce
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
+from specd.workers.engine.session_moves import SessionMover, kv_layout_of, vocabulary_of
 from specd.workers.engine.structured_output import Grammars, check_grammar_params
 from specd.workers.engine.types import (
     FinishReason,
     GenerateDelta,
     GenerateRequest,
     InvalidRequest,
+    SessionSnapshot,
 )
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 _SESSION_EXPIRY_EVERY_S = 1.0
+_SETTLE_POLL_S = 0.002
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -113,6 +116,14 @@ def single_threaded_torch_in_this_thread() -> None:
     restore.join()
 
 
+def _call_into(done: Future, fn: Callable[..., Any], args: tuple) -> None:
+    """Run ``fn(*args)`` with its result or exception going to ``done``."""
+    try:
+        done.set_result(fn(*args))
+    except BaseException as err:
+        done.set_exception(err)
+
+
 class _Compute:
     """Where torch work runs: inline on the loop thread, or (overlap scheduling) on one
     worker thread, in submission order, while the loop thread prepares the next step.
@@ -132,10 +143,7 @@ class _Compute:
         if self._pool is not None:
             return self._pool.submit(fn, *args)
         done: Future = Future()
-        try:
-            done.set_result(fn(*args))
-        except BaseException as err:
-            done.set_exception(err)
+        _call_into(done, fn, args)
         return done
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -265,6 +273,15 @@ class Engine:
             self.kv,
         )
         self.scheduler.sessions = self.sessions
+        self.session_mover = SessionMover(
+            self.sessions,
+            self.kv,
+            [self.kv_pool] + ([self.spec_decoder.draft_pool] if self.spec_decoder else []),
+            self._compute.run,
+            vocabulary=vocabulary_of(spec),
+            kv_layout=kv_layout_of(spec, self.kv_pool.buffer.dtype),
+            context_length=self.context_length,
+        )
         self.outputs = OutputProcessor(self.metrics, self.tokenizer, self.scheduler.finish)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if self.spec_decoder is not None:
@@ -475,6 +492,31 @@ class Engine:
         its KV is freed on the loop, after the turn in flight if any (that is aborted)."""
         self.sessions.mark_closing(session_id)
         self._post(("close", session_id))
+
+    async def idle_session_ids(self) -> list[str]:
+        """Sessions with no turn in flight: those a draining replica can move."""
+        return await self._on_loop(self.sessions.idle_ids)
+
+    async def export_session(self, session_id: str) -> SessionSnapshot:
+        """Take an idle session out of this replica, its KV copied to the host
+        (`SessionMover.leave`); ``SessionError`` as a turn would get, or 409 mid-turn."""
+        while True:
+            try:
+                return await self._on_loop(self.session_mover.leave, session_id)
+            except TurnSettling:
+                await asyncio.sleep(_SETTLE_POLL_S)  # the step in flight ends first
+
+    async def import_session(self, snapshot: SessionSnapshot) -> bool:
+        """Hold a session that left another replica; True when its KV came along."""
+        arrived = await self._on_loop(self.session_mover.arrive, snapshot)
+        self.metrics.session_arrivals.labels(self.replica, "kv" if arrived else "history").inc()
+        return arrived
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` on the loop thread, between steps, awaited by the caller."""
+        done: Future = Future()
+        self._post(("call", (done, fn, args)))
+        return asyncio.wrap_future(done)
 
     def metrics_text(self) -> bytes:
         return self.metrics.exposition()
@@ -745,6 +787,8 @@ class Engine:
                 self._abort(item)
             elif kind == "close" and (turn := self.sessions.close_now(item)) is not None:
                 self._abort(turn.rid)
+            elif kind == "call":
+                _call_into(*item)
 
     def _abort(self, rid: str) -> None:
         """Abort ``rid`` wherever it is: parked (never queued; its caller has left) or

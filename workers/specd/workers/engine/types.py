@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class FinishReason(str, Enum):
@@ -103,8 +104,28 @@ class InvalidRequest(ValueError):
 
 class SessionError(InvalidRequest):
     """A session call the engine refuses: ``code`` is the HTTP status (400 sessions
-    disabled, 404 unknown id, 409 a turn already in flight, 410 closed or expired)."""
+    disabled, 404 unknown id, 409 a turn already in flight or the session cannot move
+    here, 410 closed or expired, 429 full)."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """An idle streaming session leaving a draining replica for another one.
+
+    ``vocabulary`` names the tokenizer its ``history`` is written in and ``kv_layout``
+    what its KV was computed by (model, dtype, draft): a replica takes the history only
+    with the same vocabulary, and the KV (``kv``: one ``[2 * layers, len(history) - 1,
+    kv_heads * head_dim]`` host tensor per KV pool, target then draft; empty when the
+    source no longer held it) only with the same layout.
+    """
+
+    session_id: str
+    history: tuple[int, ...]
+    idle_s: float
+    vocabulary: str
+    kv_layout: str
+    kv: tuple[Any, ...] = field(default=(), repr=False)

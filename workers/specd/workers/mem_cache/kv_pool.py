@@ -40,6 +40,15 @@ class KVPool:
         self.k_buffers[layer][loc] = k.to(self.buffer.dtype)
         self.v_buffers[layer][loc] = v.to(self.buffer.dtype)
 
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K/V at ``slots``, copied to the host: ``[2 * num_layers,
+        len(slots), kv_heads * head_dim]`` (a session moving to another replica)."""
+        return self.planes[:, slots].cpu()
+
+    def write(self, slots: torch.Tensor, planes: torch.Tensor) -> None:
+        """Put what `read` returned (on another replica) into ``slots``."""
+        self.planes[:, slots] = planes.to(self.planes.device, self.planes.dtype)
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer], self.v_buffers[layer]
 

@@ -14,6 +14,9 @@ When a turn ends (``end_turn``, on the engine loop thread, after any step in fli
   KV of the history is kept (unless a retraction took it), so the next turn reuses it;
 * the session was closed meanwhile -> everything is freed.
 
+An idle session can leave for another replica (``leave``: its history and a copy of
+its KV, then freed here) and arrive on one (``arrive``); see `engine.session_moves`.
+
 Idle sessions expire after ``timeout_s``.  Closed and expired ids are remembered (a
 bounded list) so a late turn gets 410, not 404.  ``open``/``close`` may be called from
 any thread; the rest runs on the engine loop thread, which owns the KV.
@@ -76,6 +79,12 @@ class SessionStore:
 
     # -- any thread ------------------------------------------------------------
     def open(self) -> str:
+        sid = uuid.uuid4().hex
+        self._add(Session(sid))
+        return sid
+
+    def _add(self, session: Session) -> None:
+        """Hold a new session (400 sessions disabled, 429 full, 409 id already here)."""
         if not self.enabled:
             raise SessionError(
                 "sessions are disabled on this deployment (set spec.sessions.enabled: true)",
@@ -88,9 +97,15 @@ class SessionStore:
                     "close one or retry later",
                     429,
                 )
-            sid = uuid.uuid4().hex
-            self._sessions[sid] = Session(sid)
-            return sid
+            if session.sid in self._sessions:
+                raise SessionError(f"session {session.sid} is already on this replica", 409)
+            self._sessions[session.sid] = session
+
+    def holds(self, sid: str) -> bool:
+        """``sid`` is open here (a turn could go to it)."""
+        with self._lock:
+            session = self._sessions.get(sid)
+            return session is not None and not session.closing
 
     def mark_closing(self, sid: str) -> None:
         """First half of a close (caller's thread): later turns get 410 at once."""
@@ -168,6 +183,45 @@ class SessionStore:
         for session in idle:
             self._free(session, "expired")
         return len(idle)
+
+    def idle_ids(self) -> list[str]:
+        """Sessions that can move (once their last turn has settled): no turn running,
+        not closing."""
+        return [
+            s.sid
+            for s in self._sessions.values()
+            if not s.closing and (s.turn is None or s.turn.finished)
+        ]
+
+    def leave(self, sid: str, read_kv: Callable[[RequestKV], tuple]) -> tuple[Session, tuple]:
+        """Take idle ``sid`` out for a move to another replica: its KV as ``read_kv``
+        copies it (nothing when the session no longer holds it all), then freed here;
+        later calls for it get 410.  `TurnSettling` while a step in flight still holds
+        its last turn's KV."""
+        with self._lock:
+            session = self._get(sid)
+        if session.turn is not None and session.turn.finished:
+            raise TurnSettling(f"session {sid}: the last turn is still settling", 409)
+        if session.turn is not None:
+            raise SessionError(f"session {sid} has a turn in flight; it cannot move", 409)
+        kv = read_kv(session.kv) if session.kv_intact else ()
+        self._free(session, "moved to another replica")
+        return session, kv
+
+    def arrive(
+        self, sid: str, history: list[int], idle_s: float, write_kv: Callable[[RequestKV], bool]
+    ) -> bool:
+        """Take in a session that left another replica (refused as `open` is); ``write_kv``
+        may give it the history's KV, else its next turn prefills the history.  Returns
+        whether the KV came along."""
+        session = Session(sid, history=list(history), last_used=time.monotonic() - idle_s)
+        self._add(session)
+        try:
+            return write_kv(session.kv)
+        except BaseException:
+            with self._lock:
+                del self._sessions[sid]
+            raise
 
     def evict_lru(self) -> bool:
         """Free the KV of the least recently used idle session (its history stays, so
