@@ -187,11 +187,9 @@ class SessionStore:
     def idle_ids(self) -> list[str]:
         """Sessions that can move (once their last turn has settled): no turn running,
         not closing."""
-        return [
-            s.sid
-            for s in self._sessions.values()
-            if not s.closing and (s.turn is None or s.turn.finished)
-        ]
+        with self._lock:  # `open` may add one from another thread
+            sessions = list(self._sessions.values())
+        return [s.sid for s in sessions if not s.closing and (s.turn is None or s.turn.finished)]
 
     def leave(self, sid: str, read_kv: Callable[[RequestKV], tuple]) -> tuple[Session, tuple]:
         """Take idle ``sid`` out for a move to another replica: its KV as ``read_kv``
