@@ -52,11 +52,15 @@ class SessionReply:
         return self.error is None
 
 
+def _refusal(err: SessionError, **extra: Any) -> SessionReply:
+    return SessionReply(error=str(err), code=err.code, **extra)
+
+
 def _session_call(fn: Callable[..., str | None], *args: Any) -> SessionReply:
     try:
         return SessionReply(session_id=fn(*args))
     except SessionError as err:
-        return SessionReply(error=str(err), code=err.code)
+        return _refusal(err)
 
 
 class EngineActor:
@@ -94,7 +98,7 @@ class EngineActor:
     async def open_session(self) -> SessionReply:
         """A new streaming session on this replica (refused while draining)."""
         if self._draining:
-            return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
+            return self._draining_reply()
         return _session_call(self._engine.open_session)
 
     async def close_session(self, session_id: str) -> SessionReply:
@@ -113,19 +117,23 @@ class EngineActor:
         try:
             return await self._engine.export_session(session_id)
         except SessionError as err:
-            return SessionReply(error=str(err), code=err.code, from_source=True)
+            return _refusal(err, from_source=True)
 
     async def import_session(self, snapshot: SessionSnapshot | SessionReply) -> SessionReply:
         """Hold a session exported by another replica (refused while draining)."""
         if isinstance(snapshot, SessionReply):
             return snapshot
         if self._draining:
-            return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
+            return self._draining_reply()
         try:
             kv_moved = await self._engine.import_session(snapshot)
         except SessionError as err:
-            return SessionReply(error=str(err), code=err.code)
+            return _refusal(err)
         return SessionReply(session_id=snapshot.session_id, kv_moved=kv_moved)
+
+    def _draining_reply(self) -> SessionReply:
+        """A session call refused because this replica is leaving the pool."""
+        return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
 
     async def info(self) -> dict[str, Any]:
         """Static facts: answered once the model is loaded (the readiness signal)."""
