@@ -4,11 +4,13 @@ off, in one process, interleaved repeats, medians printed as ratios.
 Each round sends ``--requests`` prompts at once, all opening with the same
 ``--prefix-len`` tokens and ending with ``--suffix-len`` of their own, greedy, fixed
 output length; the cache-on engine has served one request with the prefix before
-(a warm system prompt).  Outputs must be identical with the cache on and off.
+(a warm system prompt).  Outputs must be identical with the cache on and off.  With
+``--sessions`` each prompt is the first turn of its own streaming session, and the KV
+the idle sessions then hold is reported too.
 
     python benchmarks/bench_prefix_cache.py [--target examples/models/demo-target]
         [--prefix-len 768] [--suffix-len 16] [--requests 8] [--new-tokens 16]
-        [--draft examples/models/demo-eagle]
+        [--draft examples/models/demo-eagle] [--sessions]
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import statistics
 import time
 
 from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.testing import DEMO_TARGET, demo_prompts, start_engine
+from specd.workers.testing import DEMO_TARGET, demo_prompts, start_engine, wait_idle
 
 
-async def _timed(engine, rid: str, prompt: list[int], new_tokens: int):
+async def _timed(engine, rid: str, prompt: list[int], new_tokens: int, session: str | None):
     """-> (tokens, seconds to the first token, cached prompt tokens)."""
     start, first, tokens, last = time.perf_counter(), None, [], None
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params)):
+    async for delta in engine.generate(GenerateRequest(rid, tuple(prompt), params, session)):
         if first is None and delta.token_ids:
             first = time.perf_counter() - start
         tokens += delta.token_ids
@@ -34,15 +36,29 @@ async def _timed(engine, rid: str, prompt: list[int], new_tokens: int):
     return tokens, first, last.usage.cached_tokens
 
 
-def run_round(engine, prompts, new_tokens: int, tag: str):
+def run_round(engine, prompts, new_tokens: int, tag: str, sessions: bool = False):
+    """One round of ``prompts`` at once -> (results, seconds, KV slots the idle
+    sessions hold after it: 0 without ``sessions``)."""
+    sids = [engine.open_session() if sessions else None for _ in prompts]
+
     async def go():
         return await asyncio.gather(
-            *(_timed(engine, f"{tag}{i}", p, new_tokens) for i, p in enumerate(prompts))
+            *(
+                _timed(engine, f"{tag}{i}", p, new_tokens, sid)
+                for i, (p, sid) in enumerate(zip(prompts, sids, strict=True))
+            )
         )
 
     start = time.perf_counter()
     results = asyncio.run(go())
-    return results, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    held = 0
+    if sessions:
+        assert wait_idle(engine), "the engine did not go idle"
+        held = engine.status()["session_kv_tokens"]
+        for sid in sids:
+            engine.close_session(sid)
+    return results, seconds, held
 
 
 def main() -> None:
@@ -55,6 +71,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--sessions", action="store_true", help="each prompt opens its own streaming session"
+    )
     args = ap.parse_args()
 
     text = demo_prompts(1, args.prefix_len + args.requests * args.suffix_len)[0]
@@ -63,6 +82,8 @@ def main() -> None:
         prefix + rest[i * args.suffix_len : (i + 1) * args.suffix_len] for i in range(args.requests)
     ]
     spec = {"kvCache": {"pageSize": args.page_size}, "maxRunningRequests": args.requests}
+    if args.sessions:
+        spec["sessions"] = {"enabled": True, "maxSessions": args.requests}
     if args.draft:
         spec["draft"] = {"path": args.draft}
         spec["speculative"] = {"numSteps": 3, "topk": 1, "numDraftTokens": 4}
@@ -75,13 +96,15 @@ def main() -> None:
     try:
         warm = prefix + rest[-args.suffix_len :]
         for engine in engines.values():
-            run_round(engine, [warm], args.new_tokens, "warm")
+            run_round(engine, [warm], args.new_tokens, "warm", args.sessions)
         ttft = {name: [] for name in engines}
         wall = {name: [] for name in engines}
-        outputs, cached = {}, {}
+        outputs, cached, held = {}, {}, {}
         for r in range(args.repeats):
             for name, engine in engines.items():
-                results, seconds = run_round(engine, prompts, args.new_tokens, f"r{r}-")
+                results, seconds, held[name] = run_round(
+                    engine, prompts, args.new_tokens, f"r{r}-", args.sessions
+                )
                 outputs[name] = [t for t, _, _ in results]
                 cached[name] = sum(c for _, _, c in results)
                 ttft[name].append(statistics.mean(f for _, f, _ in results))
@@ -95,12 +118,14 @@ def main() -> None:
         f"{args.requests} requests, shared prefix {args.prefix_len} + {args.suffix_len} own "
         f"tokens, {args.new_tokens} new, page {args.page_size}"
         + (", speculative" if args.draft else "")
+        + (", each the first turn of a session" if args.sessions else "")
     )
     for name in engines:
         print(
             f"  {name:9s}  mean TTFT {statistics.median(ttft[name]) * 1e3:7.1f} ms   "
             f"round {statistics.median(wall[name]) * 1e3:7.1f} ms   "
             f"cached prompt tokens {cached[name]}"
+            + (f"   KV held by the idle sessions {held[name]}" if args.sessions else "")
         )
     off, on = (statistics.median(ttft[n]) for n in engines)
     woff, won = (statistics.median(wall[n]) for n in engines)

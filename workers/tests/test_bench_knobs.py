@@ -271,15 +271,21 @@ def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monk
     assert "torch" in on_cpu and "flashinfer" not in on_cpu
 
 
-def test_bench_prefix_cache_smoke():
+@pytest.mark.parametrize("sessions", [False, True], ids=["requests", "sessions"])
+def test_bench_prefix_cache_smoke(sessions):
     """The prefix-cache benchmark runs, checks outputs equal with the cache on and off,
-    and the cache-on engine reports every request's shared prefix cached."""
+    and the cache-on engine reports every request's shared prefix cached; as sessions'
+    first turns too, whose idle sessions then hold the shared pages once."""
     cmd = [sys.executable, "benchmarks/bench_prefix_cache.py", "--prefix-len", "64"]
     cmd += ["--requests", "2", "--new-tokens", "4", "--repeats", "1"]
+    cmd += ["--sessions"] if sessions else []
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cached prompt tokens 128" in done.stdout  # 2 x 64 (page 16)
     assert "cached prompt tokens 0" in done.stdout and "cache on vs off" in done.stdout
+    if sessions:  # 64 + 16 + 4 tokens each: 6 pages, the prefix's 4 shared with the cache
+        assert "cached prompt tokens 128   KV held by the idle sessions 128" in done.stdout
+        assert "cached prompt tokens 0   KV held by the idle sessions 192" in done.stdout
 
 
 def test_bench_routing_smoke():

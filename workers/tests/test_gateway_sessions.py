@@ -31,6 +31,7 @@ MODEL = "tiny"
 CONTEXT = 1024
 NAMESPACE = "specd-test-sessions"
 MAX_NEW = 12
+PAGE = 4
 TURN = {"temperature": 0, "ignore_eos": True, "max_tokens": MAX_NEW}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -58,7 +59,7 @@ def gateway(serve_gateway, model_dir, tmp_path_factory):
         resources={"cpu": 0.5},
         draft={"path": str(draft)},
         speculative={"numSteps": 2, "topk": 2, "numDraftTokens": 4},
-        kvCache={"pageSize": 4, "maxTokens": 16384},
+        kvCache={"pageSize": PAGE, "maxTokens": 16384},
         scheduler={"overlap": True},
         sessions={"enabled": True},
         debug={"strictMemCheck": 1},
@@ -124,9 +125,12 @@ def cached(usage: dict) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-async def plain_generation(gateway, ids: list[int]) -> tuple[list[int], str]:
+async def plain_generation(
+    gateway, ids: list[int], beside: str | None = None
+) -> tuple[list[int], str]:
     """Greedy output over ``ids`` with no session, straight from a replica (token ids
-    are not in HTTP responses, and the next turn's history needs them)."""
+    are not in HTTP responses, and the next turn's history needs them): the replica
+    holding session ``beside`` if given, else the least loaded."""
 
     async def go():
         req = GenerateRequest(
@@ -134,7 +138,9 @@ async def plain_generation(gateway, ids: list[int]) -> tuple[list[int], str]:
             tuple(ids),
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
         )
-        deltas = [d async for d in gateway.pool.stream(gateway.pool.pick(), req)]
+        pool = gateway.pool
+        replica = pool.pick() if beside is None else pool.serving_actor(beside.split(".")[0])
+        deltas = [d async for d in pool.stream(replica, req)]
         assert deltas[-1].error is None, deltas[-1]
         return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
@@ -154,19 +160,20 @@ def assert_error(r: httpx.Response, status: int, *needles: str, param: str | Non
 
 async def test_turns_reuse_the_history_exactly(client, gateway):
     """Three turns: each reuses every earlier prompt and completion as cached KV and
-    produces what plain generation over the whole history produces; once deleted, the
-    session answers 410."""
+    produces what plain generation over the whole history produces (run first on the
+    session's replica, so the first turn borrows its prompt's whole page from the
+    prefix cache); once deleted, the session answers 410."""
     sid = await open_session(client)
     history: list[int] = []
     for i, prompt in enumerate([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]):
-        ref_ids, ref_text = await plain_generation(gateway, history + prompt)
+        ref_ids, ref_text = await plain_generation(gateway, history + prompt, beside=sid)
         if i == 1:
             text, usage = await streamed_turn(client, sid, prompt)
         else:
             r = await turn(client, sid, prompt)
             assert r.status_code == 200, r.text
             text, usage = text_of(r.json()), r.json()["usage"]
-        assert cached(usage) == len(history), f"turn {i}"
+        assert cached(usage) == (len(history) if i else PAGE), f"turn {i}"
         assert usage["prompt_tokens"] == len(history) + len(prompt)
         assert usage["completion_tokens"] == MAX_NEW
         assert text == ref_text, f"turn {i}"

@@ -175,6 +175,33 @@ def test_a_running_request_shares_its_prefill_and_adopts_an_equal_cached_copy():
     m.check_integrity()
 
 
+def test_the_integrity_check_counts_each_lock_against_a_live_borrower():
+    """A cached page is locked once per live holder borrowing it (requests and idle
+    sessions alike): a lock left behind (the page pinned for good) or one missing (the
+    page evictable under its borrower) is caught, naming the page."""
+    m = manager_with_cache()
+    kv = RequestKV()
+    m.grow(kv, 4)
+    kv.committed = 4
+    m.release(kv, [1, 2, 3, 4])
+    first, second = RequestKV(), RequestKV()
+    for holder in (first, second):
+        assert m.borrow(holder, m.cache.match([1, 2, 3, 4, 5]))
+    m.check_integrity()
+    m.cache.lock(m.cache.match([1, 2]))  # nobody holds this one
+    with pytest.raises(AssertionError, match=r"locked 3 times, borrowed by 2"):
+        m.check_integrity()
+    m.cache.unlock(m.cache.match([1, 2, 3, 4]))  # and now one borrower's page is unlocked
+    with pytest.raises(AssertionError, match=r"locked 1 times, borrowed by 2"):
+        m.check_integrity()
+    m.cache.lock(m.cache.match([1, 2, 3, 4]))
+    m.cache.unlock(m.cache.match([1, 2]))
+    m.release(first)
+    m.release(second)
+    m.check_integrity()
+    assert m.cache.protected_tokens == 0
+
+
 def test_growing_evicts_cached_pages_when_the_pool_is_dry():
     m = manager_with_cache(pages=4)
     old = RequestKV()

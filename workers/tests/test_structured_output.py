@@ -379,8 +379,9 @@ def test_a_retracted_constrained_request_resumes_exactly(expected):
 
 def test_a_session_turn_can_be_constrained_and_the_next_one_free():
     """A grammar holds its own turn only: the next turn reads the constrained answer
-    from the session's KV and goes on as one request over the whole history would."""
-    engine = start_engine(DEMO_TARGET, sessions={"enabled": True})
+    from the session's KV and goes on as one request over the whole history would
+    (computed whole: no prefix cache lends it the session's pages)."""
+    engine = start_engine(DEMO_TARGET, sessions={"enabled": True}, kvCache={"prefixCache": False})
     first, second = demo_prompts(2, 24)
     try:
         sid = engine.open_session()

@@ -866,11 +866,6 @@ class Engine:
                 self.sessions.check()
                 if mode == "busy":
                     self.scheduler.check_committed_lengths()
-                elif self.kv.cache is not None and self.kv.cache.num_locked_pages:
-                    return (
-                        f"{self.kv.cache.protected_tokens} prefix-cache slots still borrowed "
-                        "with no request live"
-                    )
         except AssertionError as err:
             return str(err)
         return None

@@ -276,7 +276,8 @@ class KVManager:
 
     def check_integrity(self) -> None:
         """Pages and rows balance: each page in use belongs to exactly one live request
-        or to the prefix cache, and every borrowed page is a cached one."""
+        or to the prefix cache, every borrowed page is a cached one, and every cached
+        page is locked exactly by its live borrowers."""
         self.allocator.check_integrity()
         owned = [p for kv in self._live.values() for p in kv.pages[kv.borrowed :]]
         cached = []
@@ -286,6 +287,7 @@ class KVManager:
             borrowed = {p for kv in self._live.values() for p in kv.pages[: kv.borrowed]}
             if not borrowed <= set(cached):
                 raise AssertionError("a request borrows a page the prefix cache does not hold")
+            self.cache.check_locks(kv.prefix for kv in self._live.values() if kv.prefix)
         owned += cached
         if len(owned) != len(set(owned)):
             raise AssertionError("a page is held by two requests (or a request and the cache)")

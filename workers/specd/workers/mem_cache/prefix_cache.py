@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
@@ -183,3 +184,15 @@ class PrefixCache:
         for n in nodes:
             if n.parent is not self._root and n.parent.lock_ref < n.lock_ref:
                 raise AssertionError(f"prefix cache: page {n.page} borrowed without its parent")
+
+    def check_locks(self, borrowed: Iterable[CachedPrefix]) -> None:
+        """Each page is locked exactly as often as the ``borrowed`` paths (every live
+        holder's: requests' and sessions') hold it: a lock nobody holds would pin the
+        page for good, a missing one would let it be evicted under its borrower."""
+        holders = Counter(id(node) for prefix in borrowed for node in prefix.nodes)
+        for node in self._nodes():
+            if node.lock_ref != holders[id(node)]:
+                raise AssertionError(
+                    f"prefix cache: page {node.page} locked {node.lock_ref} times, "
+                    f"borrowed by {holders[id(node)]} live requests and sessions"
+                )

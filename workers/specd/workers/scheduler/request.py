@@ -44,7 +44,7 @@ class Req:
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
     session: Any = None  # the streaming session this request is a turn of (sessions.py)
-    cached_tokens: int = 0  # history tokens of the session reused (usage.cached_tokens)
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (usage.cached_tokens)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -65,6 +65,22 @@ class Req:
     @property
     def num_fill(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def final_kv_tokens(self) -> list[int]:
+        """The tokens of the positions whose KV is computed and final: every one but the
+        last (whose KV the next step would write), at most the committed ones."""
+        return self.fill_ids[: min(self.kv.committed, self.num_fill - 1)]
+
+    @property
+    def cacheable_len(self) -> int:
+        """How many leading positions may hold prefix-cache pages while the request
+        runs: all but the last token's; for a session turn after the first, only its
+        history's (less the last token): a rolled-back turn keeps exactly that much KV,
+        and a borrowed page cannot be handed back in part."""
+        if self.session is not None and self.session.history:
+            return len(self.session.history) - 1
+        return self.num_fill - 1
 
     @property
     def tokens_to_compute(self) -> int:

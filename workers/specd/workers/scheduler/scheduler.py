@@ -38,12 +38,6 @@ from specd.workers.speculative.accounting import (
 MIN_SHARED_PREFILL_TOKENS = 32
 
 
-def final_kv_tokens(req: Req) -> list[int]:
-    """The tokens of ``req``'s positions whose KV is computed and final: every one but
-    the last token (whose KV the next step would write), at most the committed ones."""
-    return req.fill_ids[: min(req.kv.committed, req.num_fill - 1)]
-
-
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_running_requests: int
@@ -109,7 +103,7 @@ class Scheduler:
         if req.session is not None:
             self.sessions.end_turn(req, self.config.context_length)
         else:
-            self.kv.release(req.kv, final_kv_tokens(req))
+            self.kv.release(req.kv, req.final_kv_tokens)
         self._forget(req)
 
     def kv_holders(self) -> list[Req]:
@@ -284,31 +278,32 @@ class Scheduler:
         if not self._may_borrow(req):
             return False
         page = self.kv.page_size
-        tokens = req.fill_ids[: req.num_fill - 1]
+        tokens = req.fill_ids[: req.cacheable_len]
         for other in self.running:
             if other.tokens_to_compute == 0 or not self._may_borrow(other, running=True):
                 continue
-            shared = shared_prefix_len(tokens, other.fill_ids[: other.num_fill - 1])
+            shared = shared_prefix_len(tokens, other.fill_ids[: other.cacheable_len])
             shared -= shared % page
             if shared >= MIN_SHARED_PREFILL_TOKENS and other.kv.committed < shared:
                 return True
         return False
 
     def _may_borrow(self, req: Req, running: bool = False) -> bool:
-        """Whether the prefix cache applies to ``req``: not to session turns (their
-        history is their KV), nor to prompt scoring (it needs every prompt row), nor
-        to a waiting request that still holds a row (``running``: one that does)."""
-        if self.kv.cache is None or req.session is not None:
+        """Whether the prefix cache applies to ``req``: not to prompt scoring (it needs
+        every prompt row), nor to a waiting request that still holds a row, e.g. a
+        session turn whose history is its KV (``running``: one that does)."""
+        if self.kv.cache is None:
             return False
         return req.params.prompt_logprobs is None and (running or req.kv.row is None)
 
     def _start_on_cached_prefix(self, req: Req) -> int | None:
         """Let ``req`` (holding no KV) borrow the longest cached prefix of its tokens, all
-        but the last (whose row gives the next token's logits) -> tokens borrowed, or
-        None where the cache does not apply to it (`_may_borrow`)."""
+        but the last (whose row gives the next token's logits; a later session turn:
+        of its history, `Req.cacheable_len`) -> tokens borrowed, or None where the cache
+        does not apply to it (`_may_borrow`)."""
         if not self._may_borrow(req):
             return None
-        prefix = self.kv.cache.match(req.fill_ids[: req.num_fill - 1])
+        prefix = self.kv.cache.match(req.fill_ids[: req.cacheable_len])
         if not prefix or not self.kv.borrow(req.kv, prefix):
             return 0
         return req.kv.committed
@@ -317,7 +312,7 @@ class Scheduler:
         """A request admitted for the first time: its lookup in the usage and metrics."""
         if borrowed is None or req.num_retractions:
             return
-        self.prefix_queried_tokens += req.num_fill - 1
+        self.prefix_queried_tokens += req.cacheable_len
         self.prefix_hit_tokens += borrowed
         req.cached_tokens = min(borrowed, len(req.prompt_ids))
 
@@ -344,7 +339,7 @@ class Scheduler:
         for req in reversed(self._waiting_with_kv()):
             if self.kv.available_tokens >= tokens:
                 return freed
-            self.kv.release(req.kv)
+            self.kv.release(req.kv, req.final_kv_tokens)
             self.num_session_evictions += 1
             freed = True
         while self.kv.available_tokens < tokens and self.sessions is not None:
@@ -359,9 +354,9 @@ class Scheduler:
         if req.inflight_steps:
             raise RuntimeError(f"request {req.rid} retracted while a step is in flight")
         self.running.remove(req)
-        # a session turn's history KV too (re-prefill rebuilds it); a request's own
-        # final pages stay cached, so its re-prefill may find them unless evicted
-        self.kv.release(req.kv, final_kv_tokens(req) if req.session is None else ())
+        # a session turn's history KV too; the final pages stay cached, so the
+        # re-prefill may find them unless evicted
+        self.kv.release(req.kv, req.final_kv_tokens)
         self._forget(req)  # and the draft state
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
@@ -382,8 +377,8 @@ class Scheduler:
             req.kv.committed += extend
             req.kv.assert_lengths(self.kv.row_width)
             req.prompt_logprobs.extend(prompt_logprobs)
-            if extend > 1 and req.session is None:  # a prefill chunk: share its pages now
-                self.kv.share_computed(req.kv, final_kv_tokens(req))
+            if extend > 1:  # a prefill chunk: share its pages now
+                self.kv.share_computed(req.kv, req.final_kv_tokens[: req.cacheable_len])
         updated = []
         reqs = batch.sampled_reqs
         logprobs = result.logprobs or (None,) * len(reqs)

@@ -9,10 +9,19 @@ the new tokens are prefilled.
 When a turn ends (``end_turn``, on the engine loop thread, after any step in flight):
 
 * finished normally -> ``save_turn``: the history grows by the turn, speculative
-  overshoot is trimmed (``trim_overshoot``) and the KV stays with the session;
+  overshoot is trimmed (``trim_overshoot``) and the KV stays with the session, its whole
+  pages shared with the prefix cache (``share_history``);
 * aborted, failed, or out of context -> ``rollback_turn`` to the last finished turn; the
   KV of the history is kept (unless a retraction took it), so the next turn reuses it;
 * the session was closed meanwhile -> everything is freed.
+
+With a prefix cache, sessions and requests share KV pages: a turn whose session holds
+no KV (the first, or one after an eviction) starts on the cached prefix of its tokens,
+e.g. a system prompt another session or request computed; a finished turn's whole
+pages go to the cache, which lends them to anyone starting the same way while the
+session keeps them borrowed (a page several sessions share is held once); KV a session
+frees (closed, expired, or evicted under memory pressure) stays cached until the pool
+needs it, so an evicted session's next turn usually borrows its history back.
 
 An idle session can leave for another replica (``leave``: its history and a copy of
 its KV, then freed here) and arrive on one (``arrive``); see `engine.session_moves`.
@@ -28,11 +37,11 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.engine.types import FinishReason, SessionError
-from specd.workers.mem_cache.kv_manager import KVManager, RequestKV, held_slots
+from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.scheduler.request import Req
 
 _REMEMBERED_ENDED = 4096  # closed/expired ids kept for a 410 answer
@@ -51,6 +60,12 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     turn: Req | None = None  # the turn in flight
     closing: bool = False  # closed while a turn was in flight: free after it
+
+    @property
+    def final_kv_tokens(self) -> list[int]:
+        """The history tokens whose KV the session holds (its last token's is computed
+        by the next turn)."""
+        return self.history[: min(len(self.history) - 1, self.kv.committed)]
 
     @property
     def kv_intact(self) -> bool:
@@ -156,11 +171,11 @@ class SessionStore:
         session.turn = None
         session.last_used = time.monotonic()
         if session.closing:
-            self._free(session, "closed")
+            self._free(session, "closed", req.final_kv_tokens)
         elif completed_turn(req, context_length):
             save_turn(self.kv, session, req)
         else:
-            rollback_turn(self.kv, session)
+            rollback_turn(self.kv, session, req.final_kv_tokens)
 
     def close_now(self, sid: str) -> Req | None:
         """Second half of a close (loop thread): free an idle session at once; a busy
@@ -169,7 +184,7 @@ class SessionStore:
         if session is None:
             return None
         if session.turn is None:
-            self._free(session, "closed")
+            self._free(session, "closed", session.final_kv_tokens)
         return session.turn
 
     def expire(self, now: float | None = None) -> int:
@@ -181,7 +196,7 @@ class SessionStore:
             if s.turn is None and not s.closing and now - s.last_used > self.timeout_s
         ]
         for session in idle:
-            self._free(session, "expired")
+            self._free(session, "expired", session.final_kv_tokens)
         return len(idle)
 
     def idle_ids(self) -> list[str]:
@@ -203,7 +218,7 @@ class SessionStore:
         if session.turn is not None:
             raise SessionError(f"session {sid} has a turn in flight; it cannot move", 409)
         kv = read_kv(session.kv) if session.kv_intact else ()
-        self._free(session, "moved to another replica")
+        self._free(session, "moved to another replica", ())  # this replica is leaving
         return session, kv
 
     def arrive(
@@ -222,17 +237,22 @@ class SessionStore:
             raise
 
     def evict_lru(self) -> bool:
-        """Free the KV of the least recently used idle session (its history stays, so
-        its next turn prefills it again).  False when no idle session holds KV."""
+        """Give up the KV of the least recently used idle session (its history stays;
+        its pages stay in the prefix cache, if any, until the pool needs them, so its
+        next turn borrows what is left and prefills the rest).  False when no idle
+        session holds KV."""
         holding = [s for s in self.idle_sessions() if s.kv.row is not None]
         if not holding:
             return False
-        self.kv.release(min(holding, key=lambda s: s.last_used).kv)
+        session = min(holding, key=lambda s: s.last_used)
+        self.kv.release(session.kv, session.final_kv_tokens)
         return True
 
-    def _free(self, session: Session, how: str) -> None:
+    def _free(self, session: Session, how: str, final_tokens: Sequence[int]) -> None:
+        """End ``session``: its KV is released, the whole pages of ``final_tokens`` (the
+        tokens its KV is final for) kept in the prefix cache."""
         if session.kv.row is not None:
-            self.kv.release(session.kv)
+            self.kv.release(session.kv, final_tokens)
         with self._lock:
             self._sessions.pop(session.sid, None)
             self._ended[session.sid] = how
@@ -248,8 +268,10 @@ class SessionStore:
         return [s for s in self._sessions.values() if s.turn is None]
 
     def held_tokens(self) -> int:
-        """KV slots (whole pages) held by sessions between turns."""
-        return held_slots((s.kv for s in self.idle_sessions()), self.kv.page_size)
+        """KV slots idle sessions keep: whole pages, their own and the cached ones they
+        borrow (a page several sessions share counts once)."""
+        pages = {page for s in self.idle_sessions() for page in s.kv.pages}
+        return len(pages) * self.kv.page_size
 
     def check(self) -> None:
         """Every idle session holds exactly its history's KV (or none): raises
@@ -283,6 +305,14 @@ def save_turn(kv: KVManager, session: Session, req: Req) -> None:
     """Keep a finished turn: its tokens join the history, its KV stays."""
     session.history = req.fill_ids
     trim_overshoot(kv, req.kv, len(session.history) - 1)
+    share_history(kv, session)
+
+
+def share_history(kv: KVManager, session: Session) -> None:
+    """Put the whole pages of ``session``'s history KV in the prefix cache (no-op
+    without one) and borrow them back: a request or session that starts the same way
+    reuses them, and a page the cache already held is not kept twice."""
+    kv.share_computed(session.kv, session.final_kv_tokens)
 
 
 def trim_overshoot(kv: KVManager, held: RequestKV, target: int) -> None:
@@ -292,13 +322,15 @@ def trim_overshoot(kv: KVManager, held: RequestKV, target: int) -> None:
     kv.free_tail(held, target)
 
 
-def rollback_turn(kv: KVManager, session: Session) -> None:
+def rollback_turn(kv: KVManager, session: Session, final_tokens: Sequence[int]) -> None:
     """Forget an unfinished turn: keep the history's KV if it is all there (free what
-    the turn added), else free everything and let the next turn prefill the history."""
+    the turn added), else release everything (the whole pages of ``final_tokens``, the
+    tokens the turn's KV is final for, stay cached) and let the next turn borrow or
+    prefill the history."""
     held, keep = session.kv, len(session.history) - 1
     if held.row is None:
         return
     if keep > 0 and held.committed >= keep:
         kv.free_tail(held, keep)
     else:
-        kv.release(held)
+        kv.release(held, final_tokens)
