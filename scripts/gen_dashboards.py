@@ -41,6 +41,11 @@ def rate(
     return f"sum{grouping} ({fn}({sel(metric, matchers, scope)}{window}))"
 
 
+def per_gateway(metric: str, matchers: str = "") -> str:
+    """A gateway's own gauge per deployment (several scrapes of one gateway can overlap)."""
+    return f"max by (deployment) ({sel(metric, matchers, GATEWAY_FILTER)})"
+
+
 def per_replica(metric: str, agg: str = "sum") -> str:
     """A gauge aggregated per replica (several scrapes of one gateway can overlap)."""
     return f"{agg} by ({PER_REPLICA}) ({sel(metric)})"
@@ -382,6 +387,23 @@ def serving() -> dict:
                 unit="reqps",
                 description="Retracted: KV ran out and the request went back to the queue; "
                 "aborted: the client went away or the session was closed",
+            ),
+            panel(
+                "Replicas: ready and desired; ongoing requests",
+                [
+                    (per_gateway("specd_gateway_desired_replicas"), "{{deployment}} desired"),
+                    (
+                        per_gateway("specd_gateway_replicas", 'state="ready"'),
+                        "{{deployment}} ready",
+                    ),
+                    (
+                        per_gateway("specd_gateway_ongoing_requests"),
+                        "{{deployment}} ongoing requests",
+                    ),
+                ],
+                description="Desired: spec.replicas, or the autoscaler's count "
+                "(spec.autoscaling: ongoing requests averaged over lookBackSeconds / "
+                "targetOngoingRequests); ongoing: streams open on the replicas",
             ),
             panel(
                 "Engine healthy",

@@ -73,20 +73,24 @@ def gateway_doc(
     name: str = "x",
     config_hash: str | None = None,
     events: list[dict[str, Any]] | None = None,
+    desired: int | None = None,
 ) -> dict[str, Any]:
+    """``desired``: the autoscaler's count (default ``spec.replicas``)."""
     want = config_hash or spec.config_hash()
     ready = [a for a in actors if a["state"] == "ready"]
+    desired = spec.replicas if desired is None else desired
     return {
         "deployment": name,
         "model": spec.served_model_name,
         "config_hash": want,
-        "desired_replicas": spec.replicas,
+        "desired_replicas": desired,
         "ready_replicas": len(ready),
-        "converged": len(actors) == spec.replicas
+        "converged": len(actors) == desired
         and all(a["state"] == "ready" and a["config_hash"] == want for a in actors),
         "kv_usage": max((a["load"]["kv_usage"] for a in ready), default=0.0),
         "released": False,
         "actors": actors,
         "routing": {"policy": spec.routing.policy, "routed": {}, "predicted_hit_tokens": 0},
+        "autoscaling": None,
         "events": events or [],
     }

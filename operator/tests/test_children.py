@@ -88,3 +88,26 @@ def test_names_and_selectors_agree():
     # a spec change must not restart the gateway: the pod template carries no hash
     other = children.build_gateway_deployment(_sdd(kvCache={"pageSize": 4}), OWNER, ChildOptions())
     assert other["spec"]["template"] == deploy["spec"]["template"]
+
+
+def test_an_autoscaled_raycluster_lets_the_ray_autoscaler_size_its_workers():
+    """With spec.autoscaling the worker group spans [minReplicas, maxReplicas + 1] (the
+    surge pod of a rolling update), KubeRay's in-tree autoscaler is on, and the
+    operator keeps the live worker count when it patches the cluster."""
+    sdd = _sdd(replicas=9, autoscaling={"minReplicas": 2, "maxReplicas": 4})
+    rc = children.build_raycluster(sdd, OWNER, ChildOptions())
+    assert rc["spec"]["enableInTreeAutoscaling"] is True
+    assert rc["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] == 60
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (2, 4, 5)
+
+    live = {"spec": {"workerGroupSpecs": [{**group, "replicas": 3}]}}
+    kept = children.autoscaled_workers(rc, live)
+    assert kept["spec"]["workerGroupSpecs"][0]["replicas"] == 3
+    assert rc["spec"]["workerGroupSpecs"][0]["replicas"] == 4  # the desired copy untouched
+
+    fixed = children.build_raycluster(_sdd(replicas=2), OWNER, ChildOptions())
+    assert "enableInTreeAutoscaling" not in fixed["spec"]
+    assert children.autoscaled_workers(fixed, live) is fixed  # the operator sizes it
+    (group,) = fixed["spec"]["workerGroupSpecs"]
+    assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (0, 3, 3)

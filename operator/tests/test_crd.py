@@ -124,6 +124,12 @@ BAD = [
         "set only one of maxTokens or memFraction",
     ),
     (
+        "autoscaling-bounds",
+        _with("spec.autoscaling", {"minReplicas": 3, "maxReplicas": 2}),
+        "minReplicas must be at most maxReplicas",
+    ),
+    ("autoscaling-no-max", _with("spec.autoscaling", {}), "'maxReplicas' is a required property"),
+    (
         "ray-address-and-cluster",
         _with("spec.ray", {"address": "h:6379", "cluster": {}}),
         "set only one of address",
@@ -174,6 +180,9 @@ def _parity_cases():
         yield {**base, "kvCache": kv}
     for ray in ({}, {"address": "a:1"}, {"cluster": {"x": 1}}, {"address": "a:1", "cluster": {}}):
         yield {**base, "ray": ray}
+    for low, high in itertools.product((None, 1, 2, 3), (1, 2, 3)):
+        bounds = {"maxReplicas": high} | ({} if low is None else {"minReplicas": low})
+        yield {**base, "autoscaling": bounds}
 
 
 def test_cel_rules_agree_with_the_pydantic_validators(admission):

@@ -288,6 +288,47 @@ def test_scale_subresource_changes_replicas_and_the_children(cluster):
         assert sdd(cluster, "demo")["status"]["observedGeneration"] == 2
 
 
+def test_an_autoscaled_sdd_leaves_its_workers_to_the_ray_autoscaler(cluster):
+    """examples/autoscaling.yaml: KubeRay's in-tree autoscaler sizes the worker group
+    (the operator keeps the count it set when a spec change patches the cluster), and
+    the status follows the gateway autoscaler's count."""
+    doc = load_example("autoscaling.yaml")
+    name = doc["metadata"]["name"]
+    with operator(cluster):
+        create(cluster, doc)
+        ray = cluster.wait_for(lambda: cluster.get(cluster.rayclusters, f"{name}-ray"))
+        assert ray["spec"]["enableInTreeAutoscaling"] is True
+        (workers,) = ray["spec"]["workerGroupSpecs"]
+        assert (workers["minReplicas"], workers["replicas"], workers["maxReplicas"]) == (2, 2, 7)
+        path = f"/apis/ray.io/v1/namespaces/{NAMESPACE}/rayclusters/{name}-ray"
+        scaled = {**workers, "replicas": 5}  # what the Ray autoscaler writes
+        status, _ = http(cluster, "PATCH", path, {"spec": {"workerGroupSpecs": [scaled]}})
+        assert status == 200
+        merge(cluster, name, {"spec": {"resources": {"memory": "80Gi"}}})  # patches the pods
+
+        def worker_group() -> dict:
+            return cluster.get(cluster.rayclusters, f"{name}-ray")["spec"]["workerGroupSpecs"][0]
+
+        cluster.wait_for(
+            lambda: (
+                worker_group()["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+                == "80Gi"
+            ),
+            what="the worker group patched",
+        )
+        assert worker_group()["replicas"] == 5  # not set back to 2
+
+        spec = spec_of(doc)
+        h = spec.config_hash()
+        doc_of_gateway = gateway_doc(spec, [actor(f"r{i}", h) for i in range(4)], desired=4)
+        cluster.gateway.docs[(NAMESPACE, name)] = doc_of_gateway
+        cluster.wait_for(
+            lambda: sdd(cluster, name).get("status", {}).get("desiredReplicas") == 4,
+            what="desiredReplicas from the gateway",
+        )
+        assert sdd(cluster, name)["status"]["ready"] == "4/4"
+
+
 def test_delete_leaves_cleanup_to_owner_references(cluster):
     with operator(cluster):
         uid = create(cluster, _demo_spec_doc())["metadata"]["uid"]

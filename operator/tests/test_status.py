@@ -13,7 +13,7 @@ from specd.operator.status import (
     merge_patch,
     speculation_window,
 )
-from specd.workers.config import SpecDecodeDeployment
+from specd.workers.config import AutoscalingSpec, SpecDecodeDeployment
 
 from .gateway_docs import actor, event, gateway_doc
 
@@ -97,6 +97,32 @@ def test_ready_needs_the_gateway_on_the_current_hash_and_every_actor_on_it():
         assert _conditions(status)["Ready"] == ready, doc
         assert _conditions(status)["Progressing"][0] == ("False" if ready[0] == "True" else "True")
         assert status.observed_generation == 3
+
+
+def test_with_autoscaling_the_gateways_count_is_the_desired_one():
+    """Ready and the kubectl column follow the autoscaler's count (3 here, spec.replicas
+    2); while the gateway cannot be read, spec.replicas within the bounds."""
+    sdd = _sdd()
+    sdd = sdd.model_copy(
+        update={
+            "spec": sdd.spec.model_copy(
+                update={"autoscaling": AutoscalingSpec(min_replicas=3, max_replicas=4)}
+            )
+        }
+    )
+    h = sdd.spec.config_hash()
+    three = [actor(f"r{i}", h) for i in range(3)]
+    status = compute_status(
+        Observation(1, sdd, gateway=gateway_doc(sdd.spec, three, desired=3)), SddStatus(), NOW
+    )
+    assert _conditions(status)["Ready"] == ("True", "AllReplicasReady")
+    assert (status.desired_replicas, status.ready) == (3, "3/3")
+    scaled_up = gateway_doc(sdd.spec, three, desired=4)
+    status = compute_status(Observation(1, sdd, gateway=scaled_up), SddStatus(), NOW)
+    assert _conditions(status)["Ready"] == ("False", "ReplicasNotReady")
+    assert status.ready == "3/4"
+    unreachable = compute_status(Observation(1, sdd, gateway_error="refused"), SddStatus(), NOW)
+    assert unreachable.desired_replicas == 3  # spec.replicas 2, raised to minReplicas
 
 
 def test_leak_check_failures_degrade():

@@ -88,6 +88,26 @@ def test_defaults():
             id="sampling-default",
         ),
         pytest.param(
+            {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+            "spec.autoscaling: Value error, minReplicas (3) must be at most maxReplicas (2)",
+            id="autoscaling-bounds",
+        ),
+        pytest.param(
+            {"autoscaling": {"minReplicas": 1}},
+            "spec.autoscaling.maxReplicas: Field required",
+            id="autoscaling-max",
+        ),
+        pytest.param(
+            {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+            "spec.autoscaling.minReplicas: Input should be greater than or equal to 1",
+            id="autoscaling-zero",
+        ),
+        pytest.param(
+            {"autoscaling": {"maxReplicas": 2, "targetOngoingRequests": 0}},
+            "spec.autoscaling.targetOngoingRequests: Input should be greater than 0",
+            id="autoscaling-target",
+        ),
+        pytest.param(
             {"sessions": {"enabled": True, "maxSessions": 0}},
             "spec.sessions.maxSessions: Input should be greater than or equal to 1",
             id="max-sessions",
@@ -192,13 +212,15 @@ def test_relative_paths_resolve_against_the_file(tmp_path):
     assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
 
 
-def test_config_hash_ignores_replicas_routing_and_tool_calls_only():
-    """None changes what a replica runs: scaling, re-routing or a tool-call parser rolls
-    no replica."""
+def test_config_hash_ignores_replicas_routing_autoscaling_and_tool_calls_only():
+    """None changes what a replica runs: scaling (by hand or autoscaled), re-routing or
+    a tool-call parser rolls no replica."""
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
     routed = doc(routing={"policy": "leastLoad", "cacheThreshold": 0.9})
     assert a.config_hash() == parse_deployment(routed).spec.config_hash()
+    autoscaled = doc(autoscaling={"maxReplicas": 4, "targetOngoingRequests": 8})
+    assert a.config_hash() == parse_deployment(autoscaled).spec.config_hash()
     parsed = doc(toolCalls={"parser": "hermes"})
     assert a.config_hash() == parse_deployment(parsed).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()

@@ -1,5 +1,6 @@
-"""The pool controller's reconcile plan (`pool.plan_reconcile`) as tables, and a
-simulated rolling update.  Pure: no Ray cluster, no HTTP."""
+"""The pool controller's reconcile plan (`pool.plan_reconcile`) as tables, a
+simulated rolling update, and the count it keeps with autoscaling.  Pure: no Ray
+cluster, no HTTP."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from specd.workers.pool import Plan, ReplicaState, plan_reconcile
+from specd.workers.config import RoutingSpec, spec_for_model
+from specd.workers.pool import Plan, PoolController, Replica, ReplicaState, plan_reconcile
 
 
 @dataclass
@@ -88,3 +90,50 @@ def test_rolling_update_converges_without_losing_capacity():
         assert len(replicas) >= 3  # never below the desired count
         assert len(replicas) <= 4  # at most one surge replica
     assert [r.config_hash for r in replicas] == ["new"] * 3
+
+
+# -- autoscaling: the count the pool keeps -------------------------------------------
+
+AUTOSCALED = {"autoscaling": {"maxReplicas": 4, "targetOngoingRequests": 2}}
+
+
+def pool_of(replicas=1, **spec) -> PoolController:
+    return PoolController(spec_for_model("/m", replicas=replicas, **spec))
+
+
+def test_the_pool_keeps_the_autoscalers_count_and_counts_set_by_hand():
+    pool = pool_of(2)
+    assert pool.desired_replicas == 2 and pool.status()["autoscaling"] is None
+    with_autoscaling = spec_for_model("/m", replicas=2, **AUTOSCALED)
+    pool.update_spec(with_autoscaling)
+    assert pool.desired_replicas == 2  # it starts from the count in force
+    pool.autoscaler.replicas = 3  # as if it had scaled up
+    rerouted = with_autoscaling.model_copy(update={"routing": RoutingSpec(policy="leastLoad")})
+    pool.update_spec(rerouted)
+    assert pool.desired_replicas == 3  # another change keeps the autoscaled count
+    pool.update_spec(rerouted.model_copy(update={"replicas": 1}))  # kubectl scale
+    assert pool.desired_replicas == 1
+    narrow = rerouted.autoscaling.model_copy(update={"min_replicas": 2})
+    pool.update_spec(rerouted.model_copy(update={"replicas": 1, "autoscaling": narrow}))
+    assert pool.desired_replicas == 2  # the new bounds apply
+    pool.update_spec(rerouted.model_copy(update={"replicas": 1, "autoscaling": None}))
+    assert pool.desired_replicas == 1 and pool.autoscaler is None
+
+
+def test_the_pool_feeds_the_autoscaler_its_open_streams():
+    """The streams open on every replica (a draining one's too) are the load; a new
+    count shows as an event and in the status."""
+    pool = pool_of(1)
+    pool.update_spec(spec_for_model("/m", replicas=1, **AUTOSCALED))
+    policy = pool.autoscaler.policy
+    for name, state, inflight in [("r0", RD, 5), ("r1", D, 2)]:
+        pool._replicas[name] = Replica(name, f"a-{name}", None, "h", state, inflight=inflight)
+    pool._autoscale(0.0)
+    assert pool.autoscaler.proposal == 4  # ceil(7 / 2), within maxReplicas
+    assert pool.desired_replicas == 1  # asked for, not yet for the delay
+    pool._autoscale(policy.upscale_delay_seconds)
+    assert pool.desired_replicas == 4
+    [event] = [e for e in pool.events if e["event"] == "autoscaled"]
+    assert event["detail"].startswith("1 -> 4 replicas: 7.0 ongoing requests (target 2")
+    status = pool.status()
+    assert status["desired_replicas"] == 4 and status["autoscaling"]["proposal"] == 4

@@ -33,6 +33,7 @@ from specd.workers.config import (
 )
 
 GATEWAY_GRACE_S = 45  # pod termination grace: the gateway's 30 s request drain + margin
+WORKER_IDLE_TIMEOUT_S = 60  # autoscaled Ray workers with no actor leave after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +123,12 @@ def build_raycluster(
 
     Each worker pod gets ``ceil(resources.gpus)`` GPUs and the replica's CPU/memory.
     The group holds ``replicas + 1`` pods: the pool rolls a config change with one
-    surge actor, which must find a free GPU.  ``spec.ray.cluster`` is merged over the
-    result (dicts merge, lists replace).
+    surge actor, which must find a free GPU.  With ``spec.autoscaling`` the Ray
+    autoscaler sizes the group instead (KubeRay's in-tree autoscaling): pods start for
+    actors the gateway's autoscaler asks for and that find no room, between
+    ``minReplicas`` and ``maxReplicas + 1``, and idle ones leave after a minute; the
+    operator then leaves the group's live ``replicas`` alone (`autoscaled_workers`).
+    ``spec.ray.cluster`` is merged over the result (dicts merge, lists replace).
     """
     spec = sdd.spec
     res = spec.resources
@@ -135,6 +140,10 @@ def build_raycluster(
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
     workers = spec.replicas + 1 if spec.replicas else 0
+    fewest, most = 0, max(workers, 1)
+    if spec.autoscaling is not None:
+        workers = spec.autoscaling.clamp(spec.replicas)
+        fewest, most = spec.autoscaling.min_replicas, spec.autoscaling.max_replicas + 1
     worker_labels = naming.labels(owner.name, "engine")
     cluster = {
         "apiVersion": "ray.io/v1",
@@ -165,8 +174,8 @@ def build_raycluster(
                 {
                     "groupName": "engine",
                     "replicas": workers,
-                    "minReplicas": 0,
-                    "maxReplicas": max(workers, 1),
+                    "minReplicas": fewest,
+                    "maxReplicas": most,
                     "rayStartParams": {
                         "num-cpus": _quantity(res.cpu),
                         "num-gpus": str(gpus),
@@ -187,9 +196,33 @@ def build_raycluster(
             ],
         },
     }
+    if spec.autoscaling is not None:
+        cluster["spec"]["enableInTreeAutoscaling"] = True
+        cluster["spec"]["autoscalerOptions"] = {
+            "upscalingMode": "Default",
+            "idleTimeoutSeconds": WORKER_IDLE_TIMEOUT_S,
+        }
     if spec.ray.cluster:
         cluster["spec"] = deep_merge(cluster["spec"], spec.ray.cluster)
     return cluster
+
+
+def autoscaled_workers(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """``desired`` RayCluster with the live worker counts where the Ray autoscaler sizes
+    the groups (patching them back would undo its decisions)."""
+    if not desired["spec"].get("enableInTreeAutoscaling"):
+        return desired
+    counts = {
+        group.get("groupName"): group.get("replicas")
+        for group in live.get("spec", {}).get("workerGroupSpecs", [])
+    }
+    groups = [
+        group
+        if counts.get(group.get("groupName")) is None
+        else {**group, "replicas": counts[group.get("groupName")]}
+        for group in desired["spec"].get("workerGroupSpecs", [])
+    ]
+    return {**desired, "spec": {**desired["spec"], "workerGroupSpecs": groups}}
 
 
 def gateway_command(ray_address: str) -> list[str]:

@@ -69,6 +69,11 @@ CEL_RULES: tuple[CelRule, ...] = (
         "set only one of maxTokens or memFraction",
     ),
     CelRule(
+        ("autoscaling",),
+        "self.minReplicas <= self.maxReplicas",
+        "minReplicas must be at most maxReplicas",
+    ),
+    CelRule(
         ("ray",),
         "!(has(self.address) && has(self.cluster))",
         "set only one of address (an existing Ray cluster) or cluster "

@@ -107,13 +107,21 @@ def _subset(desired: Any, live: Any) -> bool:
     return desired == live
 
 
-async def ensure(client: KubeClient, desired: dict[str, Any]) -> str:
-    """Create or patch ``desired``; returns "created", "updated" or "unchanged"."""
+async def ensure(
+    client: KubeClient,
+    desired: dict[str, Any],
+    keep_live: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
+) -> str:
+    """Create or patch ``desired``; returns "created", "updated" or "unchanged".
+    ``keep_live(desired, live)`` puts back what another controller owns in the live
+    object before comparing."""
     meta = desired["metadata"]
     path = object_path(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
     live = await client.get(path)
     if live is None:
         return "created" if await client.create(desired) is not None else "unchanged"
+    if keep_live is not None:
+        desired = keep_live(desired, live)
     if _subset(desired, live):
         return "unchanged"
     patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
@@ -142,8 +150,8 @@ async def ensure_children(
     assert client is not None, "the login handler sets the client"
     writes: list[tuple[str, str, str]] = []
 
-    async def step(obj: dict[str, Any]) -> None:
-        result = await ensure(client, obj)
+    async def step(obj: dict[str, Any], keep_live=None) -> None:
+        result = await ensure(client, obj, keep_live)
         if result != "unchanged":
             writes.append((obj["kind"], obj["metadata"]["name"], result))
 
@@ -152,7 +160,7 @@ async def ensure_children(
     if sdd.spec.ray.address is None:
         if not await client.served("ray.io", "v1", "rayclusters"):
             return Observation(generation, sdd, kuberay_missing=True, selector=selector), writes
-        await step(children.build_raycluster(sdd, owner, ctx.options))
+        await step(children.build_raycluster(sdd, owner, ctx.options), children.autoscaled_workers)
     await step(children.build_gateway_deployment(sdd, owner, ctx.options))
     await step(children.build_service(owner))
     if sdd.spec.metrics.service_monitor and await client.served(

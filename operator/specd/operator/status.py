@@ -11,10 +11,14 @@ same actors).  So ``acceptLength`` says how drafts did since the last poll, not 
 the deployment began.
 
     Ready                True  <=> the gateway runs the current config hash, and exactly
-                               `replicas` actors are ready on it (the router only
+                               the desired actors are ready on it (the router only
                                routes to ready actors: ready means routable)
     Progressing          True  while the gateway or any actor is not on the current hash,
-                               or the ready count differs from `replicas`
+                               or the ready count differs from the desired one
+
+The desired count is ``spec.replicas``; with ``spec.autoscaling`` it is the gateway's
+autoscaler's (``desired_replicas`` of its document), or ``spec.replicas`` within the
+bounds while the gateway cannot be read.
     Degraded             True  with a reason: InvalidSpec, KubeRayMissing, ReplicaFailing,
                                LeakCheckFailed
     SpeculationEffective True  <=> mean accept length over the window >= minAcceptLength
@@ -87,7 +91,10 @@ class SddStatus(_Status):
     replicas: int = Field(0, description="Live engine actors (starting or ready)")
     ready_replicas: int = 0
     updated_replicas: int = Field(0, description="Ready actors on the current config hash")
-    ready: str = Field("0/0", description="readyReplicas/spec.replicas, for kubectl")
+    desired_replicas: int = Field(
+        0, description="Replicas the gateway keeps: spec.replicas, or the autoscaler's count"
+    )
+    ready: str = Field("0/0", description="readyReplicas/desiredReplicas, for kubectl")
     observed_generation: int | None = None
     selector: str = Field("", description="Label selector of the engine pods (scale)")
     endpoint: str | None = None
@@ -294,10 +301,22 @@ def _stamp(new: list[Condition], old: list[Condition], now: str, generation: int
         c.observed_generation = generation
 
 
+def desired_replicas(obs: Observation) -> int:
+    """The actors the gateway should keep (see the module docstring)."""
+    if obs.sdd is None:
+        return 0
+    spec = obs.sdd.spec
+    if spec.autoscaling is None:
+        return spec.replicas
+    if obs.gateway is not None and "desired_replicas" in obs.gateway:
+        return int(obs.gateway["desired_replicas"])
+    return spec.autoscaling.clamp(spec.replicas)
+
+
 def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus:
     """The CR status for one observation (``now``: RFC 3339 time for transitions)."""
     sdd = obs.sdd
-    desired = sdd.spec.replicas if sdd is not None else 0
+    desired = desired_replicas(obs)
     desired_hash = sdd.spec.config_hash() if sdd is not None else None
     doc = obs.gateway or {}
     actors = doc.get("actors", []) if obs.gateway is not None else []
@@ -319,6 +338,7 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
     return SddStatus(
         replicas=len(live),
         ready_replicas=len(ready),
+        desired_replicas=desired,
         updated_replicas=len([a for a in ready if a.get("config_hash") == desired_hash]),
         ready=f"{len(ready)}/{desired}",
         observed_generation=obs.generation,

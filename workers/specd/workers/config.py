@@ -318,6 +318,44 @@ class RoutingSpec(_Spec):
     )
 
 
+class AutoscalingSpec(_Spec):
+    """Gateway-only (not in the config hash): the replica count follows the load between
+    ``minReplicas`` and ``maxReplicas`` (Ray Serve's policy on ongoing requests);
+    ``spec.replicas`` is where it starts, and setting it (``kubectl scale``) moves the
+    count there at once."""
+
+    min_replicas: int = Field(
+        1, ge=1, le=1024, description="Fewest replicas (no scale to zero: a model load is slow)"
+    )
+    max_replicas: int = Field(ge=1, le=1024, description="Most replicas")
+    target_ongoing_requests: float = Field(
+        32,
+        gt=0,
+        description="Requests per replica (running or queued in its engine) the pool aims "
+        "for: the count is the load averaged over lookBackSeconds / this, rounded up",
+    )
+    look_back_seconds: float = Field(30, gt=0, description="The load is averaged over this")
+    upscale_delay_seconds: float = Field(
+        30, ge=0, description="A higher count must be asked for this long before replicas start"
+    )
+    downscale_delay_seconds: float = Field(
+        600, ge=0, description="A lower count must be asked for this long before replicas leave"
+    )
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) must be at most maxReplicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+    def clamp(self, replicas: int) -> int:
+        """``replicas`` within [minReplicas, maxReplicas]."""
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
 class ToolCallsSpec(_Spec):
     """Gateway-only (not in the config hash): how tool_choice auto finds tool calls."""
 
@@ -431,6 +469,7 @@ class DeploymentSpec(_Spec):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    autoscaling: AutoscalingSpec | None = None
     tool_calls: ToolCallsSpec = Field(default_factory=ToolCallsSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
@@ -458,14 +497,23 @@ class DeploymentSpec(_Spec):
         return self.speculative is not None
 
     @property
+    def most_replicas(self) -> int:
+        """The most replicas this spec runs at once, a rolling update's surge aside."""
+        if self.autoscaling is None:
+            return self.replicas
+        return max(self.autoscaling.max_replicas, self.replicas)
+
+    @property
     def served_model_name(self) -> str:
         return self.model.name or Path(self.model.path).name
 
     def config_hash(self) -> str:
         """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing` and `toolCalls`)."""
+        the gateway's `routing`, `autoscaling` and `toolCalls`)."""
         body = self.model_dump(
-            mode="json", by_alias=True, exclude={"replicas", "routing", "tool_calls"}
+            mode="json",
+            by_alias=True,
+            exclude={"replicas", "routing", "autoscaling", "tool_calls"},
         )
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -713,7 +713,7 @@ def build_app(
         body = {
             "status": "ok" if ok else "unavailable",
             "ready_replicas": len(ready),
-            "desired_replicas": pool.spec.replicas,
+            "desired_replicas": pool.desired_replicas,
             "unhealthy_replicas": unhealthy,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -869,7 +869,7 @@ class Gateway:
             ray.init(address=address, namespace=ray_namespace(self.namespace))
         else:
             # logical CPUs for every replica plus a rolling update's surge one
-            needed = math.ceil(self.spec.resources.cpu * (self.spec.replicas + 1))
+            needed = math.ceil(self.spec.resources.cpu * (self.spec.most_replicas + 1))
             ray.init(
                 namespace=ray_namespace(self.namespace),
                 include_dashboard=False,

@@ -37,7 +37,14 @@ class GatewayMetrics:
         )
         self.desired_replicas = Gauge(
             "specd_gateway_desired_replicas",
-            "spec.replicas of the deployment (ready below it: a replica is missing)",
+            "Replicas the pool keeps: spec.replicas, or the autoscaler's count (ready below "
+            "it: a replica is missing or starting)",
+            registry=self.registry,
+        )
+        self.ongoing_requests = Gauge(
+            "specd_gateway_ongoing_requests",
+            "Streams the gateway has open on its replicas (running or queued in their "
+            "engines): the autoscaler's load",
             registry=self.registry,
         )
         self._routing = _RoutingCounts()
@@ -45,7 +52,8 @@ class GatewayMetrics:
 
     def observe_pool(self, pool: PoolController) -> None:
         self._routing.pool = pool
-        self.desired_replicas.set(pool.spec.replicas)
+        self.desired_replicas.set(pool.desired_replicas)
+        self.ongoing_requests.set(pool.ongoing_requests())
         states = [a["state"] for a in pool.status()["actors"]]
         for state in ReplicaState:
             self.replicas.labels(state.value).set(states.count(state.value))

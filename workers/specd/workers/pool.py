@@ -13,7 +13,8 @@ reused), so metrics of a replacement never mix with its predecessor's.  A config
 change rolls one replica at a time with one surge replica: start new -> ready ->
 drain old -> kill old.  A drained replica's idle sessions move to the others before it is
 killed, with their KV (`session_homes`), so no conversation is lost to a roll or a
-scale-down.
+scale-down.  With ``spec.autoscaling`` the count to keep is the `Autoscaler`'s, fed
+the streams open on the replicas at every probe.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from specd.workers.actor import create_engine_actor
+from specd.workers.autoscaler import Autoscaler
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
 from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks
@@ -213,6 +215,12 @@ class PoolController:
         self.routed_hit_tokens: Counter[str] = Counter()
         self.released = False  # `stop` ran: the actors are gone and stay gone
         self.session_homes = SessionHomes()  # where the sessions of retired replicas went
+        self.autoscaler: Autoscaler | None = None  # with spec.autoscaling, from `start`
+
+    @property
+    def desired_replicas(self) -> int:
+        """The replicas to keep: ``spec.replicas``, or the autoscaler's count."""
+        return self.spec.replicas if self.autoscaler is None else self.autoscaler.replicas
 
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -220,6 +228,9 @@ class PoolController:
         adoption is done; see `wait_converged`).  A released pool stays released."""
         if self._monitor is None and not self.released:
             await self._adopt_running_actors()
+            if self.spec.autoscaling is not None:  # a restarted gateway keeps what runs
+                adopted = len(self._replicas)
+                self.autoscaler = Autoscaler(self.spec.autoscaling, adopted or self.spec.replicas)
             self._monitor = asyncio.create_task(self._monitor_loop(), name="specd-pool-monitor")
 
     async def detach(self) -> None:
@@ -286,9 +297,18 @@ class PoolController:
         return released
 
     def update_spec(self, spec: DeploymentSpec) -> None:
-        """Adopt ``spec``: a new config hash rolls replicas, a new count scales."""
+        """Adopt ``spec``: a new config hash rolls replicas, a new count scales (with
+        autoscaling: the count set by hand is taken, and the autoscaler goes on from it)."""
         if spec.config_hash() != self.spec.config_hash():
             self._event("-", "rolling update", f"{self.spec.config_hash()} -> {spec.config_hash()}")
+        by_hand = spec.replicas if spec.replicas != self.spec.replicas else None
+        if spec.autoscaling is None:
+            self.autoscaler = None
+        elif self.autoscaler is None:
+            start_at = self.desired_replicas if by_hand is None else by_hand
+            self.autoscaler = Autoscaler(spec.autoscaling, start_at)
+        else:
+            self.autoscaler.retune(spec.autoscaling, by_hand)
         self.spec = spec
         self._kick()
 
@@ -304,7 +324,7 @@ class PoolController:
     def converged(self) -> bool:
         want = self.spec.config_hash()
         states = [(r.state, r.config_hash) for r in self._replicas.values()]
-        return len(states) == self.spec.replicas and all(
+        return len(states) == self.desired_replicas and all(
             s is ReplicaState.READY and h == want for s, h in states
         )
 
@@ -436,7 +456,7 @@ class PoolController:
             "deployment": self.name,
             "model": self.spec.served_model_name,
             "config_hash": self.spec.config_hash(),
-            "desired_replicas": self.spec.replicas,
+            "desired_replicas": self.desired_replicas,
             "ready_replicas": len(ready),
             "converged": self.converged(),
             "released": self.released,
@@ -447,6 +467,9 @@ class PoolController:
                 "routed": self.routed_by_reason(),
                 "predicted_hit_tokens": self.routed_hit_tokens.total(),
             },
+            "autoscaling": (
+                None if self.autoscaler is None else self.autoscaler.status(time.monotonic())
+            ),
             "events": list(self.events),
         }
 
@@ -472,6 +495,7 @@ class PoolController:
             self._wake.clear()
             try:
                 await self._probe_all()
+                self._autoscale(time.monotonic())
                 self._reconcile()
             except Exception:  # the loop must outlive any single failure
                 log.exception("pool %s: reconcile failed", self.name)
@@ -509,6 +533,19 @@ class PoolController:
         self.affinity.discard(replica.name, evicted["keys"][-new:])
         replica.evictions_seen = evicted["total"]
 
+    def ongoing_requests(self) -> int:
+        """Streams open on the replicas (a retiring one's too: load until they end)."""
+        return sum(r.inflight for r in self._replicas.values())
+
+    def _autoscale(self, now: float) -> None:
+        """Give the autoscaler the load (`ongoing_requests`); an event when it takes a
+        new count."""
+        if self.autoscaler is None:
+            return
+        change = self.autoscaler.observe(now, self.ongoing_requests())
+        if change is not None:
+            self._event("-", "autoscaled", change.describe())
+
     def _reconcile(self) -> None:
         """One synchronous pass: forget the dead, then launch starts and retirements."""
         for name in [n for n, r in self._replicas.items() if r.state is ReplicaState.DEAD]:
@@ -516,14 +553,14 @@ class PoolController:
             self._forget_routing(name)
         plan = plan_reconcile(
             list(self._replicas.values()),
-            self.spec.replicas,
+            self.desired_replicas,
             self.spec.config_hash(),
             can_start=time.monotonic() >= self._next_start_at,
         )
         for _ in range(plan.start):
             restarts = self._replaced_restarts.popleft() if self._replaced_restarts else 0
             self._spawn(self._wait_started(self._launch(restarts)))
-        while len(self._replaced_restarts) > self.spec.replicas:
+        while len(self._replaced_restarts) > self.desired_replicas:
             self._replaced_restarts.popleft()
         for name in plan.retire:
             self._spawn(self._retire(self._replicas[name], self.drain_timeout_s))
