@@ -102,6 +102,7 @@ def test_rules_file_is_valid_and_every_alert_is_documented(promtool, rules, rule
         "SpecdAcceptanceCollapsed",
         "SpecdReplicaDown",
         "SpecdReplicasUnavailable",
+        "SpecdAutoscalerAtMaxReplicas",
         "SpecdHighTTFT",
     }
     for a in alerts:

@@ -90,8 +90,11 @@ def test_the_proposal_is_the_averaged_load_over_the_target_rounded_up():
     autoscaler = Autoscaler(POLICY, 1)
     autoscaler.observe(0.0, 9)
     autoscaler.observe(1.0, 4)  # mean 6.5 -> 6.5 / 4 -> 2
-    assert autoscaler.mean_ongoing == 6.5 and autoscaler.proposal == 2
-    autoscaler.observe(11.5, 0)  # the first two samples left the 10 s window
+    assert autoscaler.mean_ongoing == 6.5 and autoscaler.wanted == autoscaler.proposal == 2
+    autoscaler.observe(2.0, 87)  # mean 100 / 3 -> 9 wanted, 4 within the bounds
+    assert (autoscaler.wanted, autoscaler.proposal) == (9, 4)
+    assert autoscaler.status(2.0)["wanted"] == 9
+    autoscaler.observe(12.5, 0)  # the first three samples left the 10 s window
     assert autoscaler.mean_ongoing == 0 and autoscaler.proposal == 1
     status = autoscaler.status(12.0)
     assert status["proposal"] == 1 and status["pending"] is None

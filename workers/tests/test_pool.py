@@ -126,14 +126,16 @@ def test_the_pool_feeds_the_autoscaler_its_open_streams():
     pool = pool_of(1)
     pool.update_spec(spec_for_model("/m", replicas=1, **AUTOSCALED))
     policy = pool.autoscaler.policy
-    for name, state, inflight in [("r0", RD, 5), ("r1", D, 2)]:
+    for name, state, inflight in [("r0", RD, 7), ("r1", D, 2)]:
         pool._replicas[name] = Replica(name, f"a-{name}", None, "h", state, inflight=inflight)
+    assert pool.wanted_replicas == 1  # no load seen yet: the desired count
     pool._autoscale(0.0)
-    assert pool.autoscaler.proposal == 4  # ceil(7 / 2), within maxReplicas
+    assert pool.wanted_replicas == 5  # ceil(9 / 2)...
+    assert pool.autoscaler.proposal == 4  # ...within maxReplicas
     assert pool.desired_replicas == 1  # asked for, not yet for the delay
     pool._autoscale(policy.upscale_delay_seconds)
     assert pool.desired_replicas == 4
     [event] = [e for e in pool.events if e["event"] == "autoscaled"]
-    assert event["detail"].startswith("1 -> 4 replicas: 7.0 ongoing requests (target 2")
+    assert event["detail"].startswith("1 -> 4 replicas: 9.0 ongoing requests (target 2")
     status = pool.status()
     assert status["desired_replicas"] == 4 and status["autoscaling"]["proposal"] == 4

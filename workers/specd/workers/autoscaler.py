@@ -50,7 +50,8 @@ class Autoscaler:
         self._samples: deque[tuple[float, int]] = deque()  # (time, ongoing requests)
         self._pending: tuple[int, float] | None = None  # (+1 up | -1 down, since when)
         self.mean_ongoing = 0.0
-        self.proposal = self.replicas
+        self.wanted = self.replicas  # what the load asks for, bounds aside
+        self.proposal = self.replicas  # ``wanted`` within the bounds
 
     def retune(self, policy: AutoscalingSpec, replicas: int | None = None) -> None:
         """A new policy (its bounds apply to the current count at once), and with
@@ -65,9 +66,8 @@ class Autoscaler:
         while self._samples[0][0] < now - self.policy.look_back_seconds:
             self._samples.popleft()
         self.mean_ongoing = sum(n for _, n in self._samples) / len(self._samples)
-        self.proposal = self.policy.clamp(
-            math.ceil(self.mean_ongoing / self.policy.target_ongoing_requests)
-        )
+        self.wanted = math.ceil(self.mean_ongoing / self.policy.target_ongoing_requests)
+        self.proposal = self.policy.clamp(self.wanted)
         return self._decide(now)
 
     def _decide(self, now: float) -> ScaleChange | None:
@@ -110,6 +110,7 @@ class Autoscaler:
             "max_replicas": self.policy.max_replicas,
             "target_ongoing_requests": self.policy.target_ongoing_requests,
             "mean_ongoing_requests": round(self.mean_ongoing, 2),
+            "wanted": self.wanted,
             "proposal": self.proposal,
             "pending": pending,
         }

@@ -41,6 +41,13 @@ class GatewayMetrics:
             "it: a replica is missing or starting)",
             registry=self.registry,
         )
+        self.wanted_replicas = Gauge(
+            "specd_gateway_autoscaler_wanted_replicas",
+            "Replicas the load asks for before spec.autoscaling's bounds (the desired "
+            "count without autoscaling): above the desired count for long, the deployment "
+            "is pinned at maxReplicas",
+            registry=self.registry,
+        )
         self.ongoing_requests = Gauge(
             "specd_gateway_ongoing_requests",
             "Streams the gateway has open on its replicas (running or queued in their "
@@ -53,6 +60,7 @@ class GatewayMetrics:
     def observe_pool(self, pool: PoolController) -> None:
         self._routing.pool = pool
         self.desired_replicas.set(pool.desired_replicas)
+        self.wanted_replicas.set(pool.wanted_replicas)
         self.ongoing_requests.set(pool.ongoing_requests())
         states = [a["state"] for a in pool.status()["actors"]]
         for state in ReplicaState:

@@ -222,6 +222,12 @@ class PoolController:
         """The replicas to keep: ``spec.replicas``, or the autoscaler's count."""
         return self.spec.replicas if self.autoscaler is None else self.autoscaler.replicas
 
+    @property
+    def wanted_replicas(self) -> int:
+        """The replicas the load asks for before the autoscaler's bounds (without
+        autoscaling: the desired count)."""
+        return self.desired_replicas if self.autoscaler is None else self.autoscaler.wanted
+
     # -- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         """Adopt this deployment's running actors, then begin reconciling (returns once
