@@ -379,14 +379,17 @@ def serving() -> dict:
                 ],
             ),
             panel(
-                "Retractions and aborts/s",
+                "Retractions, preemptions and aborts/s",
                 [
                     (rate("specd_retractions_total"), f"{REPLICA_LEGEND} retracted"),
+                    (rate("specd_preemptions_total"), f"{REPLICA_LEGEND} preempted"),
                     (rate("specd_aborts_total"), f"{REPLICA_LEGEND} aborted"),
                 ],
                 unit="reqps",
                 description="Retracted: KV ran out and the request went back to the queue; "
-                "aborted: the client went away or the session was closed",
+                "preempted: it went back to let a waiting request of higher priority start "
+                "(scheduler.policy: priority); aborted: the client went away or the session "
+                "was closed",
             ),
             panel(
                 "Replicas: ready and desired; ongoing requests",

@@ -314,3 +314,17 @@ def test_bench_structured_smoke():
     assert all(same == "1" and valid == "100" for _, _, same, valid in rows), done.stdout
     per_verify = {name: float(v) for name, v, _, _ in rows if v != "-"}
     assert per_verify["guided"] > per_verify["unguided"] + 1, done.stdout
+
+
+def test_bench_priority_smoke():
+    """The priority benchmark runs both policies on the same flood, checks their outputs
+    equal, and only the priority policy preempts (the urgent requests start first)."""
+    cmd = [sys.executable, "benchmarks/bench_priority.py", "--background", "4"]
+    cmd += ["--background-len", "32", "--background-tokens", "24", "--urgent", "1"]
+    cmd += ["--urgent-tokens", "4", "--max-running", "2", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    preempted = re.search(r"preemptions +fcfs (\d+) +priority (\d+)", done.stdout)
+    assert preempted is not None, done.stdout
+    assert preempted[1] == "0" and int(preempted[2]) >= 1, done.stdout
+    assert "outputs identical" in done.stdout

@@ -645,6 +645,8 @@ BAD_INPUTS = {
         "tool_choice",
     ),
     "session_id, sessions disabled": (CMPL, {**A, "session_id": "x.y"}, 400, "session_id"),
+    "priority under fcfs": (CMPL, {**A, "priority": 1}, 400, "priority"),
+    "priority not an int": (CMPL, {**A, "priority": "high"}, 400, "priority"),
     "chat session_id, sessions disabled": (
         CHAT,
         {**M, "messages": [{"role": "user", "content": "x"}], "session_id": "x.y"},

@@ -1,7 +1,7 @@
 """Streaming sessions through the gateway, over real HTTP and a real local Ray.
 
 Two engine replicas of a tiny checkpoint with a tiny EAGLE draft (tree drafting,
-overlap scheduling), strict busy memory checks and sessions on.  Turns are checked
+overlap scheduling, priority policy), strict busy memory checks and sessions on.  Turns are checked
 against plain (session-less) generation over the whole token history, which greedy
 speculative decoding must reproduce exactly.  Every test closes its sessions: the load
 test ends by asserting that no replica holds KV or an open session.
@@ -60,7 +60,7 @@ def gateway(serve_gateway, model_dir, tmp_path_factory):
         draft={"path": str(draft)},
         speculative={"numSteps": 2, "topk": 2, "numDraftTokens": 4},
         kvCache={"pageSize": PAGE, "maxTokens": 16384},
-        scheduler={"overlap": True},
+        scheduler={"overlap": True, "policy": "priority"},
         sessions={"enabled": True},
         debug={"strictMemCheck": 1},
     )
@@ -170,7 +170,7 @@ async def test_turns_reuse_the_history_exactly(client, gateway):
         if i == 1:
             text, usage = await streamed_turn(client, sid, prompt)
         else:
-            r = await turn(client, sid, prompt)
+            r = await turn(client, sid, prompt, priority=i - 1)  # policy: priority
             assert r.status_code == 200, r.text
             text, usage = text_of(r.json()), r.json()["usage"]
         assert cached(usage) == (len(history) if i else PAGE), f"turn {i}"

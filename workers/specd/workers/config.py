@@ -277,6 +277,12 @@ class SchedulerSpec(_Spec):
         512, ge=1, description="Max prompt tokens prefetched per step (one chunk)"
     )
     overlap: bool = Field(False, description="Prepare step N+1 while step N runs")
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: requests start in arrival order; priority: by each request's "
+        "`priority` (lower first, then arrival), and a waiting request preempts running "
+        "ones of lower priority",
+    )
 
 
 class CudaGraphSpec(_Spec):

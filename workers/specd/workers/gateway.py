@@ -411,7 +411,7 @@ class _Api:
     ) -> Response:
         rid = fmt.id_prefix + uuid.uuid4().hex
         params = body.sampling_params(default_max_tokens, self.sampling_defaults(), tool_parser)
-        req = GenerateRequest(rid, tuple(prompt_ids), params)
+        req = GenerateRequest(rid, tuple(prompt_ids), params, priority=body.priority)
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
         else:  # one choice: validated

@@ -71,6 +71,10 @@ class EngineMetrics:
         self.prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("specd_generation_tokens", "Output tokens generated")
         self.retractions = counter("specd_retractions", "Requests retracted because KV ran out")
+        self.preemptions = counter(
+            "specd_preemptions",
+            "Running requests retracted so that a waiting request of higher priority starts",
+        )
         self.session_evictions = counter(
             "specd_session_kv_evictions",
             "Session KV freed under memory pressure (history kept; the next turn re-prefills)",

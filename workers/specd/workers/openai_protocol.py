@@ -125,6 +125,13 @@ class _GenerationRequest(_Lenient):
     session_id: str | None = Field(
         None, description="Extension: append this request as a turn of the session"
     )
+    priority: int = Field(
+        0,
+        ge=-(2**31),
+        lt=2**31,
+        description="Extension (vLLM's): lower starts first under spec.scheduler.policy: "
+        "priority, preempting running requests of a higher value; 0 elsewhere",
+    )
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -105,7 +105,7 @@ def start_spec_engine(
     return start_engine(
         target,
         kvCache={"pageSize": page_size, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 16, "overlap": overlap},
+        scheduler={"chunkedPrefillSize": 16, "overlap": overlap, **extra.pop("scheduler", {})},
         draft={"path": draft, "algorithm": algorithm},
         speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
         debug={"strictMemCheck": 1},
@@ -113,10 +113,10 @@ def start_spec_engine(
     )
 
 
-async def collect(engine: Engine, rid: str, prompt, session_id=None, **params):
+async def collect(engine: Engine, rid: str, prompt, session_id=None, priority=0, **params):
     tokens, text, last = [], "", None
     async for delta in engine.generate(
-        GenerateRequest(rid, tuple(prompt), SamplingParams(**params), session_id)
+        GenerateRequest(rid, tuple(prompt), SamplingParams(**params), session_id, priority)
     ):
         tokens += delta.token_ids
         text += delta.text

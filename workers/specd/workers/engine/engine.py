@@ -269,6 +269,7 @@ class Engine:
                 context_length=self.context_length,
                 eos_token_ids=self.eos_token_ids,
                 spec=self.spec_shape,
+                policy=spec.scheduler.policy,
             ),
             self.kv,
         )
@@ -420,6 +421,11 @@ class Engine:
                 "prompt_logprobs: a session turn's history is cached, not scored; "
                 "score the prompt without session_id"
             )
+        if req.priority and self.scheduler.config.policy != "priority":
+            raise InvalidRequest(
+                "priority: this deployment serves requests in arrival order; set "
+                "spec.scheduler.policy: priority to use request priorities"
+            )
         if req.session_id is None:
             self.check_fits(n, req.params.max_tokens)
 
@@ -466,6 +472,7 @@ class Engine:
             prompt_ids=list(request.prompt_ids),
             params=request.params,
             grammar=grammar,
+            priority=request.priority,
         )
         stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
         self._post(("add", stream))
@@ -575,6 +582,7 @@ class Engine:
         before processing the one in flight)."""
         t0 = time.perf_counter()
         retractions_before = self.scheduler.num_retractions
+        preemptions_before = self.scheduler.num_preemptions
         evictions_before = self.scheduler.num_session_evictions
         queried_before = self.scheduler.prefix_queried_tokens
         hits_before = self.scheduler.prefix_hit_tokens
@@ -587,6 +595,7 @@ class Engine:
             self.metrics.leak_check("req_to_token", "busy", ok=False)
             raise
         self.metrics.retractions.inc(self.scheduler.num_retractions - retractions_before)
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         self.metrics.session_evictions.inc(self.scheduler.num_session_evictions - evictions_before)
         self.metrics.prefix_cache_queried.inc(self.scheduler.prefix_queried_tokens - queried_before)
         self.metrics.prefix_cache_hits.inc(self.scheduler.prefix_hit_tokens - hits_before)
@@ -927,6 +936,7 @@ class Engine:
                 "evicted_blocks": self.evicted_blocks.snapshot(),
             },
             "retractions": s.num_retractions,
+            "preemptions": s.num_preemptions,
             "kv_reserved_tokens": reserved,
             "leak_check_failures": self.metrics.leak_failures,
             "sessions_open": self.sessions.num_open,

@@ -69,6 +69,7 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None  # a turn of this streaming session (``prompt_ids`` appended)
+    priority: int = 0  # lower is served first (``scheduler.policy: priority`` only)
 
 
 @dataclass(frozen=True, slots=True)

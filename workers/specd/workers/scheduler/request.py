@@ -31,6 +31,7 @@ class Req:
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower is served first under the priority policy (policy.py)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_retractions: int = 0

@@ -3,14 +3,16 @@
 Each step has a token budget (``chunked_prefill_size``, never below the number of
 running requests).  Running requests are served first, oldest first: a decoding
 request needs one token, a request mid-prefill gets the next chunk.  Waiting
-requests are then admitted in arrival order while the budget, the row pool,
-``max_running_requests`` and the KV pool allow.  When a running request cannot get
-KV for its next token, the newest running request is retracted: its KV is freed
-and it goes back to the front of the queue, keeping its output so far (it is
-re-prefilled later and continues exactly where it stopped).  A waiting request
-whose prompt opens like the prompt of a request still prefilling is passed over until
-that prefill has computed the shared pages (`awaits_shared_prefill`), so it borrows them
-from the prefix cache instead of computing them a second time.
+requests are then admitted in queue order (`policy`: arrival, or priority then
+arrival) while the budget, the row pool, ``max_running_requests`` and the KV pool
+allow.  When a running request cannot get KV for its next token, the newest running
+request (`policy`: or the lowest-priority one) is retracted: its KV is freed and it
+goes back to the queue, keeping its output so far (it is re-prefilled later and
+continues exactly where it stopped).  Under the priority policy a waiting request
+that cannot start preempts running requests of lower priority the same way.  A
+waiting request whose prompt opens like the prompt of a request still prefilling is
+passed over until that prefill has computed the shared pages (`awaits_shared_prefill`),
+so it borrows them from the prefix cache instead of computing them a second time.
 
 The scheduler only does bookkeeping; it never builds tensors for the model.
 """
@@ -25,6 +27,12 @@ from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.kv_manager import KVManager, RowWidthExceeded
 from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode_alloc_target
 from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
+from specd.workers.scheduler.policy import (
+    Policy,
+    enqueue,
+    preemption_victims,
+    retraction_victim,
+)
 from specd.workers.scheduler.request import Req, RequestStatus
 from specd.workers.scheduler.sessions import SessionStore
 from specd.workers.scheduler.stop import check_stop, reaches_length_limit
@@ -45,6 +53,7 @@ class SchedulerConfig:
     context_length: int
     eos_token_ids: frozenset[int]
     spec: SpecShape | None = None  # speculative decoding layout, None for plain decode
+    policy: Policy = "fcfs"  # the waiting queue's order and who gives way (policy.py)
 
 
 class Scheduler:
@@ -53,7 +62,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.num_retractions = 0
+        self.num_retractions = 0  # to let a running request grow (KV ran out)
+        self.num_preemptions = 0  # to let a waiting request of higher priority start
         self.failed: list[Req] = []  # finished with an error while scheduling; engine reports
         self.on_release: Callable[[Req], None] | None = None  # KV of ``req`` was freed
         self.sessions: SessionStore | None = None  # turns of sessions keep their KV there
@@ -66,7 +76,7 @@ class Scheduler:
     # -- queue -------------------------------------------------------------
     def add(self, req: Req) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        enqueue(self.waiting, req, self.config.policy)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -241,9 +251,11 @@ class Scheduler:
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         admitted, passed_over = [], []
         while self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_running_requests:
-                break
             req = self.waiting[0]
+            if len(self.running) >= self.config.max_running_requests:
+                if self._preempt_for(req):
+                    continue
+                break
             if self.awaits_shared_prefill(req):
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -259,6 +271,9 @@ class Scheduler:
                     self.kv.release(req.kv)
                 if self._reclaim_session_kv(req.tokens_to_compute + headroom):
                     continue  # ``take`` may have grown: the turn prefills its history again
+                short = req.tokens_to_compute + headroom - self.kv.available_tokens
+                if self._preempt_for(req, max(short, 1)):
+                    continue
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -324,11 +339,22 @@ class Scheduler:
                 self.kv.pages_needed(req.kv, new_allocated) * self.kv.page_size
             ):
                 continue
-            victim = self.running[-1]
+            victim = retraction_victim(self.running, self.config.policy)
             self.retract(victim)
             if victim is req:
                 return False
         return True
+
+    def _preempt_for(self, req: Req, tokens_short: int = 0) -> bool:
+        """Retract the running requests waiting ``req`` preempts to start (the batch is
+        full, or ``tokens_short`` KV slots are missing; see `preemption_victims`).
+        False if it preempts none."""
+        victims = preemption_victims(
+            self.running, req, self.config.policy, tokens_short, self.kv.page_size
+        )
+        for victim in victims:
+            self.retract(victim, preempted=True)
+        return bool(victims)
 
     def _reclaim_session_kv(self, tokens: int) -> bool:
         """Free session KV that no step is using until ``tokens`` slots are free: waiting
@@ -349,8 +375,10 @@ class Scheduler:
             freed = True
         return freed
 
-    def retract(self, req: Req) -> None:
-        """Free ``req``'s KV and requeue it first; its output so far is kept."""
+    def retract(self, req: Req, *, preempted: bool = False) -> None:
+        """Free ``req``'s KV and requeue it (first, or at its priority's place); its
+        output so far is kept.  ``preempted``: for a waiting request of higher priority,
+        not because KV ran out."""
         if req.inflight_steps:
             raise RuntimeError(f"request {req.rid} retracted while a step is in flight")
         self.running.remove(req)
@@ -360,8 +388,11 @@ class Scheduler:
         self._forget(req)  # and the draft state
         req.status = RequestStatus.WAITING
         req.num_retractions += 1
-        self.num_retractions += 1
-        self.waiting.appendleft(req)
+        if preempted:
+            self.num_preemptions += 1
+        else:
+            self.num_retractions += 1
+        enqueue(self.waiting, req, self.config.policy, front=True)
 
     def process_result(self, batch: ScheduledBatch, result: RunnerOutput) -> list[Req]:
         """Commit the computed KV, append sampled tokens, finish stopped requests.
