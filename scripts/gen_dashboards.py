@@ -302,10 +302,21 @@ def speculative() -> dict:
                         ),
                         "{{deployment}} moved: {{outcome}}",
                     ),
+                    (
+                        rate(
+                            "specd_gateway_session_placements_total",
+                            "deployment, outcome",
+                            fn="increase",
+                            scope=GATEWAY_FILTER,
+                        ),
+                        "{{deployment}} placed: {{outcome}}",
+                    ),
                 ],
                 description="Moves: idle sessions of replicas retired by a rolling update or "
                 "scale-down, moved with their KV (kv), with their history only (history), "
-                "or ended (no replica could take them)",
+                "or ended (no replica could take them). Placed: new sessions moved before "
+                "their first turn to the replica caching its prompt's prefix (moved), or "
+                "left where they were because it was full (refused)",
             ),
             panel(
                 "KV leak checks/s by pool, mode, result",

@@ -60,6 +60,7 @@ def test_dashboards_are_well_formed(dashboards):
 # the gateway's own series that no replica label could filter
 GATEWAY_ONLY = (
     "specd_gateway_session_moves_total",
+    "specd_gateway_session_placements_total",
     "specd_gateway_desired_replicas",
     "specd_gateway_replicas",
     "specd_gateway_ongoing_requests",

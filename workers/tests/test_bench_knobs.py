@@ -288,16 +288,21 @@ def test_bench_prefix_cache_smoke(sessions):
         assert "cached prompt tokens 0   KV held by the idle sessions 192" in done.stdout
 
 
-def test_bench_routing_smoke():
+@pytest.mark.parametrize("sessions", [False, True], ids=["requests", "sessions"])
+def test_bench_routing_smoke(sessions):
     """The routing benchmark serves both policies over HTTP from one pool; cache-aware
-    routing finds the groups' prefixes cached (the first request of a group cannot)."""
+    routing finds the groups' prefixes cached (the first request of a group cannot); as
+    sessions' first turns too, which then hold KV."""
     cmd = [sys.executable, "benchmarks/bench_routing.py", "--groups", "2", "--prefix-len", "64"]
     cmd += ["--requests", "6", "--clients", "2", "--new-tokens", "2", "--repeats", "1"]
+    cmd += ["--sessions"] if sessions else []
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     hits = dict(re.findall(r"(cacheAware|leastLoad) +prefix-cache hits +([0-9.]+)%", done.stdout))
     assert set(hits) == {"cacheAware", "leastLoad"}, done.stdout
     assert float(hits["cacheAware"]) > 0 and "cacheAware vs leastLoad" in done.stdout
+    held = re.findall(r"sessions hold (\d+) KV tokens", done.stdout)
+    assert len(held) == (2 if sessions else 0) and all(int(h) > 0 for h in held), done.stdout
 
 
 def test_bench_structured_smoke():

@@ -184,6 +184,85 @@ async def test_turns_reuse_the_history_exactly(client, gateway):
     assert_error(await client.delete(f"/v1/sessions/{sid}"), 410, sid)
 
 
+async def test_first_turns_gather_where_their_prompt_is_cached(client, gateway):
+    """Two sessions opened on different replicas whose first turns share a system prompt
+    that a plain request left in one replica's prefix cache: both first turns run there
+    (the other session moves before it), borrow the prompt's pages, and say what plain
+    generation says; later turns reuse their whole history, also through a gateway that
+    never saw the move (one that restarted)."""
+    pool = gateway.pool
+    rng = random.Random(23)
+    system = [rng.randrange(3, 250) for _ in range(16 * PAGE)]
+    warm = await turn(client, None, system + [7, 7], max_tokens=2)
+    assert warm.status_code == 200, warm.text
+    deadline = time.monotonic() + 30  # earlier tests' sessions closed: probes catch up
+    while any(r.load.get("sessions_open") for r in pool.ready()):
+        assert time.monotonic() < deadline, [r.load for r in pool.ready()]
+        await asyncio.sleep(0.1)
+    opened = [(await client.post("/v1/sessions")).json() for _ in range(2)]
+    assert len({o["replica"] for o in opened}) == 2, opened  # fewest sessions first
+    moved_before = pool.session_homes.placements["moved"]
+    histories = {}
+    for i, session in enumerate(opened):
+        prompt = system + [9, 10 + i]
+        ref_ids, ref_text = await plain_generation(gateway, prompt)
+        r = await turn(client, session["id"], prompt)
+        assert r.status_code == 200, r.text
+        assert text_of(r.json()) == ref_text
+        assert cached(r.json()["usage"]) == len(system), f"session {i}"
+        histories[session["id"]] = prompt + ref_ids
+    homes = {pool.session_homes.home_of(o["id"].rpartition(".")[2]) for o in opened}
+    assert len(homes) == 1, homes  # together
+    assert pool.session_homes.placements["moved"] == moved_before + 1
+
+    async def next_turn(sid: str, prompt: list[int]) -> None:
+        ref_ids, ref_text = await plain_generation(gateway, histories[sid] + prompt)
+        r = await turn(client, sid, prompt)
+        assert r.status_code == 200, r.text
+        assert text_of(r.json()) == ref_text
+        assert cached(r.json()["usage"]) == len(histories[sid])
+        histories[sid] += prompt + ref_ids
+
+    for sid in histories:
+        await next_turn(sid, [11, 12])
+    in_loop(gateway, setattr, pool, "session_homes", SessionHomes())  # a restarted gateway's
+    for sid in histories:
+        await next_turn(sid, [13])
+        await close_session(client, sid)
+
+
+async def test_a_full_replica_leaves_a_first_turn_where_it_was(client, gateway):
+    """The replica caching a first turn's prompt holds ``maxSessions`` sessions: the
+    session is offered there, refused, and stays where it opened, whose turn then
+    prefills the whole prompt and says what plain generation says."""
+    pool = gateway.pool
+    rng = random.Random(29)
+    system = [rng.randrange(3, 250) for _ in range(16 * PAGE)]
+    assert (await turn(client, None, system + [7], max_tokens=2)).status_code == 200
+    prompt = system + [8]
+    cached_on = [r for r in pool.ready() if pool.first_turn_home(prompt, r) is None]
+    assert len(cached_on) == 1, "the prefix is recorded on one replica"
+    holder, other = cached_on[0], next(r for r in pool.ready() if r is not cached_on[0])
+    fillers = {holder.name: [], other.name: []}
+    while len(fillers[holder.name]) < pool.spec.sessions.max_sessions:  # fill ``holder``
+        opened = (await client.post("/v1/sessions")).json()
+        fillers[opened["replica"]].append(opened["id"])
+    if len(fillers[other.name]) == pool.spec.sessions.max_sessions:
+        await close_session(client, fillers[other.name].pop())
+    opened = (await client.post("/v1/sessions")).json()
+    assert opened["replica"] == other.name, opened
+    mine = opened["id"]
+    refused_before = pool.session_homes.placements["refused"]
+    _, ref_text = await plain_generation(gateway, prompt)
+    r = await turn(client, mine, prompt)
+    assert r.status_code == 200, r.text
+    assert text_of(r.json()) == ref_text
+    assert pool.session_homes.placements["refused"] == refused_before + 1
+    assert pool.session_homes.home_of(mine.rpartition(".")[2]) == other.actor_name
+    for sid in [*fillers[holder.name], *fillers[other.name], mine]:
+        await close_session(client, sid)
+
+
 async def test_unknown_and_malformed_session_ids(client, gateway):
     live_actor = gateway.pool.ready()[0].actor_name
     unknown = f"{live_actor}.{'0' * 32}"

@@ -22,10 +22,11 @@ kills the actors of a running gateway and keeps it from starting new ones; when 
 gateway has an admin token it needs ``Authorization: Bearer <token>``.
 
 Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an id that
-names that replica's actor (`router.session_token`), so any gateway routes a turn
-(a generation request with ``session_id``) to it without shared state.  A turn goes
-to that replica, or to the one its session moved to when that replica was retired
-(`session_homes`); if it died the session is gone (410).  A turn's
+names that replica's actor (`router.session_token`).  Its first turn (a generation
+request with ``session_id``) may move it to the replica caching that turn's prompt
+prefix (`_Api._placed`); a turn goes to the replica the session is on, which the
+gateway remembers (`session_homes`: placed, or moved off a retired replica) or, after
+a restart, asks the replicas for; if it died the session is gone (410).  A turn's
 prompt is tokenized as usual; the engine drops the BOS of turns after the first.
 """
 
@@ -41,7 +42,8 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
@@ -191,6 +193,7 @@ def _failure(delta: GenerateDelta) -> ApiError | None:
 
 
 _SESSION_ERRORS = (404, 409, 410)  # unknown, a turn already in flight, closed or expired
+_REMEMBERED_UNPLACED = 65536  # sessions opened here whose first turn may still move them
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +291,7 @@ class _Api:
         self.pool = pool
         self.tokenizer = tokenizer
         self._turns: dict[str, _Turn] = {}  # session id -> its latest turn here
+        self._unplaced: OrderedDict[str, bool] = OrderedDict()  # opened here, no turn yet
         self._token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
         self._special_ids = frozenset(tokenizer.all_special_ids)  # left out of the text
 
@@ -381,14 +385,47 @@ class _Api:
                 continue
             if reply.ok:
                 token = session_token(replica.actor_name, reply.session_id)
+                self.pool.session_homes.note_home(reply.session_id, replica.actor_name)
+                self._note_unplaced(token)
                 return SessionObject(id=token, replica=replica.name)
             refusal = ApiError(reply.code, reply.error)
             if reply.code not in (429, 503):
                 break
         raise refusal
 
+    def _note_unplaced(self, session_id: str) -> None:
+        """``session_id`` was opened here: its first turn may move it (`_placed`)."""
+        self._unplaced[session_id] = True
+        while len(self._unplaced) > _REMEMBERED_UNPLACED:
+            self._unplaced.popitem(last=False)
+
+    async def _placed(self, route: _SessionRoute, prompt: Sequence[int]) -> _SessionRoute:
+        """Before a session's first turn: move it to the replica cache-aware routing
+        would send ``prompt`` to for its cached prefix (`PoolController.first_turn_home`),
+        so sessions that open alike gather where their prompt's KV is; a replica that
+        refuses it (full) leaves it where it was.  The prompt goes on the prefix record
+        of the replica that runs it."""
+        if not self._unplaced.pop(route.session_id, False):
+            return route
+        pool = self.pool
+        target = pool.first_turn_home(prompt, route.replica)
+        if target is not None:
+            holder = await pool.session_homes.place(
+                route.replica,
+                route.engine_sid,
+                target,
+                lambda tried: pool.pick(tried, for_session=True),
+                pool.probe_timeout_s,
+            )
+            if holder is None:
+                raise _session_gone(route.session_id, route.replica.actor_name, "session_id")
+            route = replace(route, replica=holder)
+        pool.note_prompt_served(route.replica, prompt)
+        return route
+
     async def close_session(self, session_id: str) -> SessionDeleted:
         """Close ``session_id`` on its replica (a turn in flight is aborted)."""
+        self._unplaced.pop(session_id, None)
         route = await self.session_route(session_id, None)
         try:
             reply = await self.pool.call(route.replica, "close_session", route.engine_sid)
@@ -495,6 +532,7 @@ class _Api:
         turn = self._turns[route.session_id] = _Turn(client)
         finished = False
         try:
+            route = await self._placed(route, req.prompt_ids)
             while True:
                 async with contextlib.aclosing(self.pool.stream(route.replica, req)) as stream:
                     async for delta in stream:

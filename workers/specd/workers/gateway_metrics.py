@@ -110,8 +110,8 @@ class _Families:
 
 
 class _RoutingCounts:
-    """The pool's counts as counters, read at scrape: routing (`PoolController.route`)
-    and session moves (`SessionHomes.outcomes`)."""
+    """The pool's counts as counters, read at scrape: routing (`PoolController.route`),
+    session moves (`SessionHomes.outcomes`) and placements (`SessionHomes.placements`)."""
 
     def __init__(self) -> None:
         self.pool: PoolController | None = None
@@ -145,7 +145,16 @@ class _RoutingCounts:
         )
         for outcome in ("kv", "history", "ended"):
             moves.add_metric([outcome], self.pool.session_homes.outcomes[outcome])
-        return [routed, hits, moves]
+        placements = CounterMetricFamily(
+            "specd_gateway_session_placements",
+            "New sessions whose first turn's prompt prefix is cached on another replica, by "
+            "outcome: moved (there), refused (that replica was full: they stayed), stayed "
+            "(closed or busy meanwhile), ended (no replica took them back)",
+            labels=["outcome"],
+        )
+        for outcome in ("moved", "refused", "stayed", "ended"):
+            placements.add_metric([outcome], self.pool.session_homes.placements[outcome])
+        return [routed, hits, moves, placements]
 
 
 class CountRequests:

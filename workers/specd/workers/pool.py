@@ -40,7 +40,7 @@ from specd.workers.autoscaler import Autoscaler
 from specd.workers.config import DeploymentSpec
 from specd.workers.engine.types import GenerateDelta, GenerateRequest
 from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks
-from specd.workers.router import ReplicaLoad, pick_for_prompt, pick_replica
+from specd.workers.router import ReplicaLoad, RouteReason, pick_for_prompt, pick_replica
 from specd.workers.session_homes import SessionHomes
 
 log = logging.getLogger(__name__)
@@ -352,12 +352,25 @@ class PoolController:
     ) -> Replica | None:
         """The ready replica not in ``exclude`` that gets ``prompt`` under
         ``spec.routing`` (see `router`); the prompt goes on its prefix record."""
-        rule = self.spec.routing
-        if rule.policy == "leastLoad":
+        if self.spec.routing.policy == "leastLoad":
             return self.pick(exclude)
+        blocks = PromptBlocks(prompt)
+        choice = self._cache_aware_choice(blocks, exclude)
+        if choice is None:
+            return None
+        replica, reason, hit = choice
+        self._record(replica, blocks)
+        self.routed[replica.name, reason] += 1
+        self.routed_hit_tokens[replica.name] += hit
+        return replica
+
+    def _cache_aware_choice(
+        self, blocks: PromptBlocks, exclude: frozenset[str] | set[str]
+    ) -> tuple[Replica, RouteReason, int] | None:
+        """Cache-aware routing's choice for a prompt among the ready replicas not in
+        ``exclude``: ``(replica, reason, predicted hit tokens)``, None if there is none."""
         candidates = self._ready_except(exclude)
         shapes = {name: CacheShape.from_info(r.info) for name, r in candidates.items()}
-        blocks = PromptBlocks(prompt)
         hits = self.affinity.predicted_hits(blocks, shapes)
         loads = [
             replace(
@@ -367,14 +380,33 @@ class PoolController:
             )
             for name, r in candidates.items()
         ]
-        choice = pick_for_prompt(loads, len(prompt), rule)
+        choice = pick_for_prompt(loads, len(blocks.prompt), self.spec.routing)
         if choice is None:
             return None
         name, reason = choice
-        self.affinity.record(name, blocks, shapes[name])
-        self.routed[name, reason] += 1
-        self.routed_hit_tokens[name] += hits[name]
-        return candidates[name]
+        return candidates[name], reason, hits[name]
+
+    def note_prompt_served(self, replica: Replica, prompt: Sequence[int]) -> None:
+        """``prompt`` goes to ``replica`` (a session's first turn) outside `route`."""
+        self._record(replica, PromptBlocks(prompt))
+
+    def _record(self, replica: Replica, blocks: PromptBlocks) -> None:
+        """The prompt's pages will be cached on ``replica``: its prefix record."""
+        self.affinity.record(replica.name, blocks, CacheShape.from_info(replica.info))
+
+    def first_turn_home(self, prompt: Sequence[int], current: Replica) -> Replica | None:
+        """Where a new session on ``current`` should move for its first turn ``prompt``:
+        the replica cache-aware routing would send the prompt to for its cached prefix
+        (a current-config one, not too busy), or None to stay (no such replica, it is
+        ``current``, or routing is ``leastLoad``)."""
+        if self.spec.routing.policy == "leastLoad":
+            return None
+        want = self.spec.config_hash()
+        outdated = {r.name for r in self.ready() if r.config_hash != want}
+        choice = self._cache_aware_choice(PromptBlocks(prompt), outdated)
+        if choice is None or choice[1] != "prefix" or choice[0] is current:
+            return None
+        return choice[0]
 
     def _ready_except(self, exclude: frozenset[str] | set[str]) -> dict[str, Replica]:
         return {r.name: r for r in self.ready() if r.name not in exclude}
@@ -654,8 +686,11 @@ class PoolController:
 
     async def find_session(self, ray_name: str, engine_sid: str) -> Replica | None:
         """The ready replica holding session ``engine_sid``, opened on actor ``ray_name``:
-        that actor's, or (once that replica has drained and moved it) where it went."""
-        actor = ray_name
+        where this gateway last placed it (opened, moved for its first turn, or moved
+        off a retired replica, once that one has drained), else whichever holds it."""
+        actor = self.session_homes.home_of(engine_sid)
+        if actor is None:  # opened before this gateway started
+            return await self._locate_session(ray_name, engine_sid)
         for _ in range(_MAX_SESSION_HOPS):
             if (replica := self.serving_actor(actor)) is not None:
                 return replica
@@ -664,9 +699,13 @@ class PoolController:
             if home is None or home == actor:
                 break
             actor = home  # it moved; that replica may be leaving too
-        # e.g. it moved before this gateway started: ask around
+        return await self._locate_session(ray_name, engine_sid)
+
+    async def _locate_session(self, ray_name: str, engine_sid: str) -> Replica | None:
+        """Ask the ready replicas who holds ``engine_sid``; if none does, its opener
+        ``ray_name`` (still serving) answers why (closed, expired, unknown)."""
         home = await self.session_homes.find(engine_sid, self.ready(), self.probe_timeout_s)
-        return None if home is None else self.serving_actor(home)
+        return self.serving_actor(ray_name if home is None else home)
 
     # -- helpers ----------------------------------------------------------------
     def _spawn(self, coro) -> None:

@@ -20,9 +20,10 @@ its prefix cache (`pick_for_prompt`), as SGLang's router and llm-d's prefix scor
    with the least cache (distinct prefixes spread over the replicas).
 
 A new streaming session goes to the replica with the fewest open sessions first (an
-idle session holds KV but shows no queue), then by the load above.  Every later turn
-goes to that replica only (affinity): the session id carries the actor's name (see
-`session_token`), so any gateway can route it without shared state.
+idle session holds KV but shows no queue), then by the load above.  Before its first
+turn it moves where cache-aware routing would send that turn's prompt for its cached
+prefix (`PoolController.first_turn_home`); every later turn goes to its replica only
+(affinity).  The session id carries the opening actor's name (see `session_token`).
 """
 
 from __future__ import annotations

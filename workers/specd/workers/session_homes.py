@@ -5,10 +5,11 @@ retires a replica (scale-down, rolling update) it first drains the requests in f
 then moves each idle session to the replica a new session would go to
 (`move_sessions`): the destination's ``import_session`` takes the source's
 ``export_session`` result as a Ray object reference, so the KV goes from actor to actor
-without passing through the gateway.  `SessionHomes` remembers each moved session's
-new actor; a turn for a replica whose moves are under way waits for them (`settled`).
-A gateway that restarted knows no homes, and asks the ready replicas instead
-(``has_session``).
+without passing through the gateway.  A new session also moves, before its first turn,
+to the replica that holds that turn's prompt prefix in its cache (`place`).
+`SessionHomes` remembers each session's actor; a turn for a replica whose moves are
+under way waits for them (`settled`).  A gateway that restarted knows no homes, and
+asks the ready replicas instead (``has_session``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SessionHomes:
         self._homes: dict[str, str] = {}  # engine session id -> actor now holding it
         self._leaving: dict[str, asyncio.Event] = {}  # draining actor -> set once it left
         self.outcomes: Counter[str] = Counter()  # "kv", "history", "ended"
+        self.placements: Counter[str] = Counter()  # "moved", "stayed", "refused", "ended"
 
     def home_of(self, engine_sid: str) -> str | None:
         return self._homes.get(engine_sid)
@@ -75,7 +77,8 @@ class SessionHomes:
         try:
             ids = await asyncio.wait_for(source.handle.idle_session_ids.remote(), timeout_s)
             for sid in ids:
-                moved[await self._move_one(source, sid, pick, timeout_s)] += 1
+                outcome, _ = await self._move_one(source, sid, pick, timeout_s)
+                moved["ended" if outcome == "stayed" else outcome] += 1  # it leaves with source
         except (TimeoutError, RayError) as err:
             log.warning("sessions of %s could not move: %s", source.name, err)
         self.outcomes.update(moved)
@@ -87,8 +90,11 @@ class SessionHomes:
         sid: str,
         pick: Callable[[set[str]], Replica | None],
         timeout_s: float,
-    ) -> str:
-        """Offer ``sid``'s snapshot to one replica after another until one takes it."""
+    ) -> tuple[str, Replica | None]:
+        """Offer ``sid``'s snapshot to one replica after another until one takes it ->
+        (outcome, the replica holding it): ``kv`` or ``history`` (what came along),
+        ``stayed`` (the source would not let it go: closed meanwhile, or mid-turn) or
+        ``ended`` (nobody took it)."""
         snapshot: Any = None  # exported once a destination exists
         tried: set[str] = set()
         while (target := pick(tried)) is not None:
@@ -104,11 +110,34 @@ class SessionHomes:
             if reply.ok:
                 self.note_home(sid, target.actor_name)
                 target.note_session_opened()
-                return "kv" if reply.kv_moved else "history"
+                return ("kv" if reply.kv_moved else "history"), target
             if reply.from_source:  # it cannot leave (closed meanwhile, or mid-turn)
-                break
+                return "stayed", source
             log.info("session %s refused by %s: %s", sid, target.name, reply.error)
-        return "ended"
+        return "ended", None
+
+    async def place(
+        self,
+        source: Replica,
+        sid: str,
+        target: Replica,
+        others: Callable[[set[str]], Replica | None],
+        timeout_s: float,
+    ) -> Replica | None:
+        """Move new session ``sid`` (no turn yet) from ``source`` to ``target``, where its
+        first turn's prompt prefix is cached; if ``target`` refuses it (full), back to
+        ``source``, else to a replica ``others`` picks.  -> the replica holding it now
+        (None: none took it back)."""
+        order = [target, source]
+
+        def pick(tried: set[str]) -> Replica | None:
+            return order.pop(0) if order else others(tried)
+
+        outcome, holder = await self._move_one(source, sid, pick, timeout_s)
+        if outcome not in ("stayed", "ended"):  # "stayed": e.g. closed meanwhile
+            outcome = "moved" if holder is target else "refused"
+        self.placements[outcome] += 1
+        return holder
 
     async def find(self, engine_sid: str, ready: list[Replica], timeout_s: float) -> str | None:
         """The actor of a ready replica holding ``engine_sid`` (asked of each), or None."""

@@ -218,7 +218,7 @@ class SessionStore:
         if session.turn is not None:
             raise SessionError(f"session {sid} has a turn in flight; it cannot move", 409)
         kv = read_kv(session.kv) if session.kv_intact else ()
-        self._free(session, "moved to another replica", ())  # this replica is leaving
+        self._free(session, "moved to another replica", ())  # its turns go where it went
         return session, kv
 
     def arrive(
