@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
 from specd.operator import children, naming
@@ -111,3 +113,27 @@ def test_an_autoscaled_raycluster_lets_the_ray_autoscaler_size_its_workers():
     assert children.autoscaled_workers(fixed, live) is fixed  # the operator sizes it
     (group,) = fixed["spec"]["workerGroupSpecs"]
     assert (group["minReplicas"], group["replicas"], group["maxReplicas"]) == (0, 3, 3)
+
+
+def test_api_keys_come_from_the_secret_as_a_file_and_probes_stay_open():
+    """``spec.auth.apiKeySecret``: the Secret's key is mounted as a file the gateway reads
+    (so a rotated Secret applies without a restart), and the probes use the open
+    ``/version`` (``/v1`` needs a key).  Turning keys on changes the pod (a restart);
+    without them the pod has no Secret."""
+    plain = children.build_gateway_deployment(_sdd(), OWNER, ChildOptions())
+    keyed = children.build_gateway_deployment(
+        _sdd(auth={"apiKeySecret": {"name": "llm-keys", "key": "tokens"}}), OWNER, ChildOptions()
+    )
+    (container,) = keyed["spec"]["template"]["spec"]["containers"]
+    path = f"{naming.API_KEYS_DIR}/{naming.API_KEYS_FILE}"
+    assert {"name": "SPECD_API_KEY_FILE", "value": path} in container["env"]
+    assert {"name": "api-keys", "mountPath": naming.API_KEYS_DIR, "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    secret = {"secretName": "llm-keys", "items": [{"key": "tokens", "path": naming.API_KEYS_FILE}]}
+    assert {"name": "api-keys", "secret": secret} in keyed["spec"]["template"]["spec"]["volumes"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/version"
+    (bare,) = plain["spec"]["template"]["spec"]["containers"]
+    assert [e["name"] for e in bare["env"]] == ["SPECD_ADMIN_TOKEN"]
+    assert "secret" not in json.dumps(plain["spec"]["template"])

@@ -212,9 +212,9 @@ def test_relative_paths_resolve_against_the_file(tmp_path):
     assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
 
 
-def test_config_hash_ignores_replicas_routing_autoscaling_and_tool_calls_only():
-    """None changes what a replica runs: scaling (by hand or autoscaled), re-routing or
-    a tool-call parser rolls no replica."""
+def test_config_hash_ignores_replicas_routing_autoscaling_tool_calls_and_auth_only():
+    """None changes what a replica runs: scaling (by hand or autoscaled), re-routing, a
+    tool-call parser or API keys roll no replica."""
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
     routed = doc(routing={"policy": "leastLoad", "cacheThreshold": 0.9})
@@ -223,7 +223,22 @@ def test_config_hash_ignores_replicas_routing_autoscaling_and_tool_calls_only():
     assert a.config_hash() == parse_deployment(autoscaled).spec.config_hash()
     parsed = doc(toolCalls={"parser": "hermes"})
     assert a.config_hash() == parse_deployment(parsed).spec.config_hash()
+    keyed = doc(auth={"apiKeySecret": {"name": "llm-keys"}})
+    assert a.config_hash() == parse_deployment(keyed).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
+
+
+@pytest.mark.parametrize(
+    ("auth", "message"),
+    [
+        ({"apiKeySecret": {"name": "Bad_Name"}}, "spec.auth.apiKeySecret.name"),
+        ({"apiKeySecret": {"name": "keys", "key": "a/b"}}, "spec.auth.apiKeySecret.key"),
+        ({"apiKeySecret": {}}, "spec.auth.apiKeySecret.name"),
+    ],
+)
+def test_a_bad_api_key_secret_is_refused_naming_the_field(auth, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        parse_deployment(doc(auth=auth))
 
 
 def test_each_kubernetes_namespace_gets_its_own_ray_namespace():

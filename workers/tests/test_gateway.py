@@ -9,6 +9,7 @@ on a small machine).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 import specd
+from specd.workers.api_keys import ApiKeys
 from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.pool import PoolController
@@ -938,6 +940,56 @@ def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
         assert http.post("/v1/completions", json=body).status_code == 503
         time.sleep(1.0)  # several health intervals: the pool does not start a replacement
         assert not [n for n in ray.util.list_named_actors() if n.startswith("specd-podgw-")]
+
+
+def test_api_keys_guard_the_openai_endpoints_and_rotate_live(ray_cluster, model_dir, tmp_path):
+    """With API keys the /v1 paths and tokenize answer only a listed key (401 otherwise,
+    OpenAI-shaped, counted); probes, metrics and status stay open; a key file's change
+    applies to the next request; the OpenAI client sends its api_key as the bearer."""
+    spec = spec_for_model(model_dir, replicas=1, model={"name": MODEL}, resources={"cpu": 0.5})
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("first\n")
+    keys = ApiKeys(("from-env",), path=str(key_file))
+    body = {"model": MODEL, "prompt": "Hello", **GREEDY, "max_tokens": 2}
+    with (
+        running_gateway(spec, "keyed", api_keys=keys) as gw,
+        httpx.Client(base_url=gw.url, timeout=60) as http,
+    ):
+
+        def status(path, key=None, method="GET", **kw):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return http.request(method, path, headers=headers, **kw).status_code
+
+        refused = http.post("/v1/completions", json=body)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        error = refused.json()["error"]
+        assert error["code"] == 401 and error["type"] == "authentication_error"
+        assert error["message"].startswith("missing API key")
+        wrong = http.get("/v1/models", headers={"Authorization": "Bearer guess"})
+        assert wrong.json()["error"]["message"].startswith("invalid API key")
+        assert status("/tokenize", method="POST", json={"model": MODEL, "prompt": "x"}) == 401
+        for key in ("first", "from-env"):
+            assert status("/v1/completions", key, "POST", json=body) == 200
+        for open_path in ("/health", "/version", "/metrics", "/admin/status"):
+            assert status(open_path) == 200, open_path
+        assert http.get("/version").json() == {"version": importlib.metadata.version("specd")}
+
+        key_file.write_text("first\nsecond\n")  # rotate: add, then drop the old key
+        assert status("/v1/models", "second") == 200
+        key_file.write_text("second\n")
+        assert status("/v1/models", "first") == 401 and status("/v1/models", "second") == 200
+
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="second")
+        assert client.completions.create(**body).choices[0].text is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="first").models.list()
+        counts = {
+            (s.labels["code"], s.value)
+            for f in text_string_to_metric_families(http.get("/metrics").text)
+            for s in f.samples
+            if s.name == "specd_gateway_requests_total" and s.labels["code"] == "401"
+        }
+        assert sum(v for _, v in counts) == 5
 
 
 # -- failures and updates (slow) ----------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from specd.operator import naming
+from specd.workers.api_keys import API_KEY_FILE_ENV
 from specd.workers.config import (
     ADMIN_TOKEN_ENV,
     API_GROUP,
@@ -242,7 +243,17 @@ def build_gateway_deployment(
     """One gateway pod (Recreate: two drivers would each start a full actor pool)."""
     spec = sdd.spec
     address = spec.ray.address or naming.ray_head_address(owner.name, owner.namespace)
-    probe = {"httpGet": {"path": "/v1/models", "port": "http"}, "periodSeconds": 10}
+    probe = {"httpGet": {"path": "/version", "port": "http"}, "periodSeconds": 10}  # open
+    # guards POST /admin/release (the delete finalizer's call)
+    env = [{"name": ADMIN_TOKEN_ENV, "value": owner.uid}]
+    mounts = [{"name": "config", "mountPath": naming.CONFIG_DIR}]
+    volumes = [{"name": "config", "configMap": {"name": naming.configmap_name(owner.name)}}]
+    if (secret := spec.auth.api_key_secret) is not None:  # a volume: key changes go live
+        keys_file = f"{naming.API_KEYS_DIR}/{naming.API_KEYS_FILE}"
+        env.append({"name": API_KEY_FILE_ENV, "value": keys_file})
+        mounts.append({"name": "api-keys", "mountPath": naming.API_KEYS_DIR, "readOnly": True})
+        items = [{"key": secret.key, "path": naming.API_KEYS_FILE}]
+        volumes.append({"name": "api-keys", "secret": {"secretName": secret.name, "items": items}})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -260,8 +271,7 @@ def build_gateway_deployment(
                             "image": spec.image or options.image,
                             "command": gateway_command(address),
                             "ports": [{"name": "http", "containerPort": naming.GATEWAY_PORT}],
-                            # guards POST /admin/release (the delete finalizer's call)
-                            "env": [{"name": ADMIN_TOKEN_ENV, "value": owner.uid}],
+                            "env": env,
                             "readinessProbe": probe,
                             "livenessProbe": {**probe, "failureThreshold": 6},
                             "resources": {
@@ -270,17 +280,12 @@ def build_gateway_deployment(
                                     "memory": options.gateway_memory,
                                 }
                             },
-                            "volumeMounts": [{"name": "config", "mountPath": naming.CONFIG_DIR}],
+                            "volumeMounts": mounts,
                         }
                     ],
                     # open requests get the gateway's 30 s drain, then it detaches
                     "terminationGracePeriodSeconds": GATEWAY_GRACE_S,
-                    "volumes": [
-                        {
-                            "name": "config",
-                            "configMap": {"name": naming.configmap_name(owner.name)},
-                        }
-                    ],
+                    "volumes": volumes,
                 },
             },
         },

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 CONFIG_FILE = "deployment.yaml"
 CONFIG_DIR = "/etc/specd"
+API_KEYS_DIR = "/etc/specd-auth"  # the gateway's API keys, from spec.auth.apiKeySecret
+API_KEYS_FILE = "api-keys"
 GATEWAY_PORT = 8000
 RAY_GCS_PORT = 6379
 CONFIG_HASH_KEY = "configHash"

@@ -24,6 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from specd.workers.api_keys import API_KEY_ENV, API_KEY_FILE_ENV, ApiKeys
 from specd.workers.config import ADMIN_TOKEN_ENV, ConfigError, load_deployment, spec_for_model
 from specd.workers.model.config import ModelLoadError
 
@@ -36,6 +37,8 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
 
     sdd = load_deployment(args.file)
     spec = sdd.spec
+    api_keys = ApiKeys.from_env()
+    check_api_keys_given(spec, api_keys)
     gateway = Gateway(
         spec,
         name=sdd.metadata.name,
@@ -45,13 +48,16 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
         drain_timeout_s=args.drain_timeout,
         on_stop=on_stop,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+        api_keys=api_keys,
     )
 
     def ready(url: str) -> None:
         body = f'{{"model": "{spec.served_model_name}", "prompt": "Hello", "max_tokens": 32}}'
+        key = ' -H "Authorization: Bearer $SPECD_API_KEY"' if api_keys.enabled else ""
         print(f"specd: {sdd.metadata.name} ready ({spec.replicas} replicas) on {url}", flush=True)
         print(
-            f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json'{key} "
+            f"-d {shlex.quote(body)}",
             flush=True,
         )
 
@@ -62,6 +68,16 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
     asyncio.run(_run_gateway(gateway, ready, args.file if follow_config else None))
     print("specd: stopped", flush=True)
     return 0
+
+
+def check_api_keys_given(spec, api_keys: ApiKeys) -> None:
+    """A spec that asks for API keys never serves without any (fails closed)."""
+    if spec.auth.api_key_secret is not None and not api_keys.enabled:
+        raise ConfigError(
+            "spec.auth.apiKeySecret asks for API keys but this process has none: set "
+            f"{API_KEY_ENV} (comma-separated keys) or {API_KEY_FILE_ENV} (a file, one key "
+            "per line); the operator sets the file from the Secret"
+        )
 
 
 async def _run_gateway(gateway, on_ready, follow: str | None) -> None:

@@ -373,6 +373,27 @@ class ToolCallsSpec(_Spec):
     )
 
 
+class SecretKeyRef(_Spec):
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="A Secret in the deployment's namespace",
+    )
+    key: str = Field(
+        "api-key", pattern=r"^[-._a-zA-Z0-9]{1,253}$", description="Its key holding the value"
+    )
+
+
+class AuthSpec(_Spec):
+    """Gateway-only (not in the config hash): who may call the OpenAI endpoints."""
+
+    api_key_secret: SecretKeyRef | None = Field(
+        None,
+        description="API keys (one per line) that /v1 requests must send as "
+        "'Authorization: Bearer <key>'; the gateway reads changes live. specd serve: "
+        "set SPECD_API_KEY or SPECD_API_KEY_FILE instead",
+    )
+
+
 class ResourcesSpec(_Spec):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
@@ -477,6 +498,7 @@ class DeploymentSpec(_Spec):
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     autoscaling: AutoscalingSpec | None = None
     tool_calls: ToolCallsSpec = Field(default_factory=ToolCallsSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
@@ -515,11 +537,11 @@ class DeploymentSpec(_Spec):
 
     def config_hash(self) -> str:
         """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing`, `autoscaling` and `toolCalls`)."""
+        the gateway's `routing`, `autoscaling`, `toolCalls` and `auth`)."""
         body = self.model_dump(
             mode="json",
             by_alias=True,
-            exclude={"replicas", "routing", "autoscaling", "tool_calls"},
+            exclude={"replicas", "routing", "autoscaling", "tool_calls", "auth"},
         )
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 

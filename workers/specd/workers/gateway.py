@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import importlib.metadata
 import logging
 import math
 import os
@@ -59,6 +60,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from specd.workers.api_keys import ApiKeys, RequireApiKey
 from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
@@ -98,6 +100,11 @@ from specd.workers.pool import (
 from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
+
+try:
+    SPECD_VERSION = importlib.metadata.version("specd")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    SPECD_VERSION = "unknown"
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED = 499  # nginx's convention; only ever seen in metrics
@@ -650,14 +657,20 @@ class _Api:
 
 
 def build_app(
-    pool: PoolController, tokenizer: PreTrainedTokenizerBase, admin_token: str | None = None
+    pool: PoolController,
+    tokenizer: PreTrainedTokenizerBase,
+    admin_token: str | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The gateway's FastAPI app over ``pool`` (which must be started by the caller);
-    ``admin_token`` guards ``POST /admin/release``."""
+    ``admin_token`` guards ``POST /admin/release``, ``api_keys`` (if enabled) the
+    OpenAI endpoints."""
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
     api = _Api(pool, tokenizer)
     release: asyncio.Future[list[str]] | None = None
     metrics = GatewayMetrics()
+    if api_keys is not None and api_keys.enabled:
+        app.add_middleware(RequireApiKey, keys=api_keys)  # inside CountRequests: 401s count
     app.add_middleware(CountRequests, metrics=metrics)
     app.state.metrics = metrics
 
@@ -743,6 +756,10 @@ def build_app(
             ModelList(data=[ModelCard(id=api.model_name, max_model_len=api.max_model_len())])
         )
 
+    @app.get("/version")
+    async def version() -> JSONResponse:  # open, with or without API keys: the pod's probes
+        return JSONResponse({"version": SPECD_VERSION})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         ready = pool.ready()
@@ -816,13 +833,14 @@ class Gateway:
         drain_timeout_s: float = 30.0,
         on_stop: Literal["release", "detach"] = "release",
         admin_token: str | None = None,
+        api_keys: ApiKeys | None = None,
         pool_options: dict[str, Any] | None = None,
     ):
         self.spec = spec
         self.name, self.namespace = name, namespace
         self.host, self.port = host, port
         self.drain_timeout_s = drain_timeout_s
-        self.on_stop, self.admin_token = on_stop, admin_token
+        self.on_stop, self.admin_token, self.api_keys = on_stop, admin_token, api_keys
         self.pool_options = pool_options or {}
         self.pool: PoolController | None = None
         self.url: str | None = None
@@ -843,7 +861,7 @@ class Gateway:
         try:
             self.pool = PoolController(self.spec, name=self.name, **self.pool_options)
             config = uvicorn.Config(
-                build_app(self.pool, tokenizer, self.admin_token),
+                build_app(self.pool, tokenizer, self.admin_token, self.api_keys),
                 host=self.host,
                 port=self.port,
                 log_level="warning",

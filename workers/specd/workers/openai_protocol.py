@@ -740,6 +740,7 @@ class ErrorResponse(BaseModel):
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     409: "conflict_error",
     410: "gone_error",

@@ -1,0 +1,121 @@
+"""API keys: the OpenAI endpoints answer only requests that present one.
+
+As vLLM's ``--api-key`` and SGLang's: with keys configured, every path under ``/v1/``
+and ``/tokenize``, ``/detokenize`` need ``Authorization: Bearer <key>``; ``/health``,
+``/version``, ``/metrics`` and ``/admin/*`` stay open for probes, Prometheus and the
+operator (``/admin/release`` has its own token).  Keys come from ``SPECD_API_KEY``
+(several, comma-separated) and ``SPECD_API_KEY_FILE`` (one per line), a file the
+operator mounts from a Kubernetes Secret (``spec.auth.apiKeySecret``).  The file is
+read again whenever it changes, so keys rotate without a restart: add the new key,
+move clients over, remove the old one.  A file that cannot be read keeps the keys last
+read from it (none at first: every request is refused, never let through).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "SPECD_API_KEY"
+API_KEY_FILE_ENV = "SPECD_API_KEY_FILE"
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class ApiKeys:
+    def __init__(self, keys: tuple[str, ...] = (), path: str | None = None):
+        self._fixed = tuple(k for k in keys if k)
+        self.path = Path(path) if path else None
+        self._from_file: tuple[str, ...] = ()
+        self._file_version: tuple[int, int] | None = None  # (mtime_ns, size) last read
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ApiKeys:
+        env = os.environ if environ is None else environ
+        keys = tuple(k.strip() for k in env.get(API_KEY_ENV, "").split(","))
+        return cls(keys, env.get(API_KEY_FILE_ENV) or None)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._fixed) or self.path is not None
+
+    def current(self) -> tuple[str, ...]:
+        """Every key accepted now (the file re-read if it changed)."""
+        if self.path is not None:
+            self._refresh()
+        return self._fixed + self._from_file
+
+    def allows(self, authorization: str) -> bool:
+        """Whether an ``Authorization`` header value carries an accepted key."""
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return False
+        given_bytes = given.strip().encode()
+        matches = [hmac.compare_digest(given_bytes, k.encode()) for k in self.current()]
+        return any(matches)
+
+    def _refresh(self) -> None:
+        try:
+            stat = self.path.stat()
+            version = (stat.st_mtime_ns, stat.st_size)
+            if version == self._file_version:
+                return
+            lines = self.path.read_text().splitlines()
+        except OSError as err:
+            if self._file_version is not None:
+                log.warning(
+                    "API key file %s unreadable (%s): keeping its last keys", self.path, err
+                )
+                self._file_version = None
+            return
+        self._from_file = tuple(k for k in (line.strip() for line in lines) if k)
+        self._file_version = version
+        if not self._from_file:
+            log.warning("API key file %s holds no key: every /v1 request is refused", self.path)
+
+
+def needs_key(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIXES)
+
+
+class RequireApiKey:
+    """ASGI middleware: a request to a protected path without an accepted key gets an
+    OpenAI-shaped 401."""
+
+    def __init__(self, app: Any, keys: ApiKeys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and needs_key(scope["path"]):
+            headers = dict(scope.get("headers") or ())
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not self.keys.allows(authorization):
+                await _unauthorized(send, bool(authorization))
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Callable, presented: bool) -> None:
+    from specd.workers.openai_protocol import error_body  # torch: not for the CLI's import
+
+    message = (
+        "invalid API key" if presented else "missing API key"
+    ) + ": send 'Authorization: Bearer <key>' (OpenAI clients: api_key=<key>)"
+    body = error_body(401, message).model_dump_json().encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
