@@ -414,10 +414,16 @@ def serving() -> dict:
                         per_gateway("specd_gateway_ongoing_requests"),
                         "{{deployment}} ongoing requests",
                     ),
+                    (
+                        per_gateway("specd_gateway_held_requests"),
+                        "{{deployment}} held for a replica",
+                    ),
                 ],
                 description="Desired: spec.replicas, or the autoscaler's count "
                 "(spec.autoscaling: ongoing requests averaged over lookBackSeconds / "
-                "targetOngoingRequests); ongoing: streams open on the replicas",
+                "targetOngoingRequests); ongoing: streams open on the replicas and requests "
+                "held; held: requests waiting for a replica to start (minReplicas 0, scaled "
+                "to zero)",
             ),
             panel(
                 "Engine healthy",

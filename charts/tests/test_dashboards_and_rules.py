@@ -64,6 +64,7 @@ GATEWAY_ONLY = (
     "specd_gateway_desired_replicas",
     "specd_gateway_replicas",
     "specd_gateway_ongoing_requests",
+    "specd_gateway_held_requests",
 )
 
 

@@ -125,6 +125,24 @@ def test_with_autoscaling_the_gateways_count_is_the_desired_one():
     assert unreachable.desired_replicas == 3  # spec.replicas 2, raised to minReplicas
 
 
+def test_a_deployment_scaled_to_zero_is_ready_saying_so():
+    """minReplicas 0 and idle: no actor is desired, none runs; that is Ready (a request
+    starts a replica), with the reason ScaledToZero and 0/0 for kubectl."""
+    sdd = _sdd()
+    policy = AutoscalingSpec(min_replicas=0, max_replicas=2)
+    sdd = sdd.model_copy(update={"spec": sdd.spec.model_copy(update={"autoscaling": policy})})
+    idle = gateway_doc(sdd.spec, [], desired=0)
+    status = compute_status(Observation(1, sdd, gateway=idle), SddStatus(), NOW)
+    assert _conditions(status)["Ready"] == ("True", "ScaledToZero")
+    assert _conditions(status)["Progressing"] == ("False", "RolloutComplete")
+    assert (status.desired_replicas, status.ready) == (0, "0/0")
+    waking = gateway_doc(
+        sdd.spec, [actor("r0", sdd.spec.config_hash(), state="starting")], desired=1
+    )
+    status = compute_status(Observation(1, sdd, gateway=waking), SddStatus(), NOW)
+    assert _conditions(status)["Ready"] == ("False", "ReplicasNotReady")
+
+
 def test_leak_check_failures_degrade():
     sdd = _sdd()
     h = sdd.spec.config_hash()

@@ -117,3 +117,31 @@ def test_start_and_counts_set_by_hand_are_clamped_and_taken_at_once():
     narrower = POLICY.model_copy(update={"max_replicas": 1})
     autoscaler.retune(narrower)
     assert autoscaler.replicas == 1  # new bounds apply to the current count
+
+
+TO_ZERO = INSTANT.model_copy(update={"min_replicas": 0})
+
+
+def test_an_idle_pool_scales_to_zero_after_the_downscale_delay_and_wakes_at_once():
+    """minReplicas 0: no load for the downscale delay takes the count to 0; a request
+    then (held at the gateway, counted as load) brings a replica back at once, without
+    the upscale delay; more load then waits for that delay as usual."""
+    idle_then_one = every_second(0, 30, 0) + every_second(30, 40, 1)
+    assert run(Autoscaler(TO_ZERO, 1), idle_then_one) == [(20.0, 0), (30.0, 1)]
+    waking = Autoscaler(TO_ZERO, 0)
+    assert run(waking, [(0.0, 9)]) == [(0.0, 3)]  # what the held requests ask for
+    assert run(waking, every_second(1, 10, 16)) == [(6.0, 4)]  # from 3: the 5 s delay
+    assert Autoscaler(INSTANT, 0).replicas == 1  # minReplicas 1 never goes to zero
+
+
+def test_open_sessions_keep_one_replica():
+    """A streaming session's KV lives on a replica: idle but open sessions hold the
+    count at one; once they close, the pool goes to zero."""
+    autoscaler = Autoscaler(TO_ZERO, 2)
+    changes = [
+        (now, change.new)
+        for now in range(0, 80)
+        if (change := autoscaler.observe(float(now), 0, sessions_open=3 if now < 40 else 0))
+    ]
+    assert changes == [(20.0, 1), (60.0, 0)]
+    assert autoscaler.status(80.0)["min_replicas"] == 0

@@ -98,9 +98,14 @@ def test_defaults():
             id="autoscaling-max",
         ),
         pytest.param(
-            {"autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
-            "spec.autoscaling.minReplicas: Input should be greater than or equal to 1",
-            id="autoscaling-zero",
+            {"autoscaling": {"minReplicas": -1, "maxReplicas": 2}},
+            "spec.autoscaling.minReplicas: Input should be greater than or equal to 0",
+            id="autoscaling-negative",
+        ),
+        pytest.param(
+            {"autoscaling": {"maxReplicas": 2, "coldStartTimeoutSeconds": 0}},
+            "spec.autoscaling.coldStartTimeoutSeconds: Input should be greater than 0",
+            id="autoscaling-cold-start",
         ),
         pytest.param(
             {"autoscaling": {"maxReplicas": 2, "targetOngoingRequests": 0}},

@@ -28,25 +28,32 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def gateway(serve_gateway, tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("autoscale-tiny"))
+def autoscaled(serve_gateway, tmp_path_factory, name: str, **autoscaling):
+    """A gateway over one replica of a tiny model (sessions on, strict leak checks), with
+    ``autoscaling`` over short look-back and delays."""
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp(f"{name}-tiny"))
     spec = spec_for_model(
         str(model),
         replicas=1,
         model={"name": MODEL},
         resources={"cpu": 0.5},
         sessions={"enabled": True},
-        autoscaling={
-            "maxReplicas": 2,
-            "targetOngoingRequests": 1,
-            "lookBackSeconds": 0.5,
-            "upscaleDelaySeconds": 0.5,
-            "downscaleDelaySeconds": 2,
-        },
+        autoscaling={"maxReplicas": 2, "lookBackSeconds": 0.5, "upscaleDelaySeconds": 0.5,
+                     **autoscaling},
         debug={"strictMemCheck": 1},
+    )  # fmt: skip
+    return serve_gateway(spec, name)
+
+
+@pytest.fixture(scope="module")
+def gateway(serve_gateway, tmp_path_factory):
+    return autoscaled(
+        serve_gateway,
+        tmp_path_factory,
+        "autoscale",
+        targetOngoingRequests=1,
+        downscaleDelaySeconds=2,
     )
-    return serve_gateway(spec, "autoscale")
 
 
 def body(prompt: list[int], **extra) -> dict:
@@ -122,3 +129,63 @@ async def test_load_scales_up_and_a_lull_scales_down_keeping_sessions(gateway):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == history[sid]
             assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def zero_gateway(serve_gateway, tmp_path_factory):
+    return autoscaled(
+        serve_gateway,
+        tmp_path_factory,
+        "zero",
+        minReplicas=0,
+        targetOngoingRequests=4,
+        downscaleDelaySeconds=1.5,
+    )
+
+
+async def scaled_to_zero(pool, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while not (pool.desired_replicas == 0 and pool.converged() and not pool.status()["actors"]):
+        assert time.monotonic() < deadline, pool.status()
+        await asyncio.sleep(0.1)
+
+
+async def test_an_idle_pool_scales_to_zero_and_requests_wake_it(zero_gateway):
+    """minReplicas 0: idle, the pool retires its last replica (/health still ok); the
+    requests that arrive then wait while one starts and are all served; an open
+    session keeps a replica; a cold start that takes too long answers 503 naming
+    coldStartTimeoutSeconds."""
+    gateway, pool = zero_gateway, zero_gateway.pool
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
+        await scaled_to_zero(pool)
+        health = await client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "scaled_to_zero"
+        metrics = (await client.get("/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(metrics)}
+        assert families["specd_gateway_desired_replicas"].samples[0].value == 0
+
+        cold = await asyncio.gather(
+            *(client.post(CMPL, json=body([5, 6, 7 + i])) for i in range(3)),
+            client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, "temperature": 0,
+            }),
+        )  # fmt: skip
+        assert [r.status_code for r in cold] == [200] * 4, [r.text for r in cold]
+        woke = [e for e in events(gateway, "autoscaled") if e["detail"].startswith("0 -> ")]
+        assert len(woke) == 1, events(gateway, "autoscaled")
+        assert pool.held_requests == 0
+
+        sid = (await client.post("/v1/sessions")).json()["id"]
+        await asyncio.sleep(3)  # twice the downscale delay: the session keeps its replica
+        assert len(pool.ready()) == 1
+        r = await client.post(CMPL, json=body([8, 9], session_id=sid))
+        assert r.status_code == 200, r.text
+        assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+        await scaled_to_zero(pool)
+
+        impatient = pool.spec.autoscaling.model_copy(update={"cold_start_timeout_seconds": 0.01})
+        in_loop(gateway, pool.update_spec, pool.spec.model_copy(update={"autoscaling": impatient}))
+        r = await client.post(CMPL, json=body([5]))
+        assert r.status_code == 503, r.text
+        assert "spec.autoscaling.coldStartTimeoutSeconds" in r.json()["error"]["message"]

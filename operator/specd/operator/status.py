@@ -12,7 +12,8 @@ the deployment began.
 
     Ready                True  <=> the gateway runs the current config hash, and exactly
                                the desired actors are ready on it (the router only
-                               routes to ready actors: ready means routable)
+                               routes to ready actors: ready means routable); reason
+                               ScaledToZero when that is none (minReplicas 0, idle)
     Progressing          True  while the gateway or any actor is not on the current hash,
                                or the ready count differs from the desired one
 
@@ -219,8 +220,11 @@ def _rollout(obs: Observation, desired_hash: str, desired: int) -> tuple[Conditi
     outdated = [a for a in live if a.get("config_hash") != desired_hash]
     if len(current_ready) == desired and len(live) == desired:
         msg = f"{desired}/{desired} actors ready on config {desired_hash}"
+        reason = "AllReplicasReady"
+        if desired == 0:  # autoscaling.minReplicas 0, idle: a request starts a replica
+            msg, reason = "scaled to zero: the next request starts a replica", "ScaledToZero"
         return (
-            _condition("Ready", True, "AllReplicasReady", msg),
+            _condition("Ready", True, reason, msg),
             _condition("Progressing", False, "RolloutComplete", msg),
         )
     msg = (

@@ -8,6 +8,12 @@ proposal above the current count must stand for ``upscaleDelaySeconds``, one bel
 for ``downscaleDelaySeconds``, before it is taken (the newest proposal then): a burst
 shorter than the delay starts no replica, a lull shorter than it stops none.
 
+Scale to zero (``minReplicas: 0``): a lull with no request at all for the look-back
+window proposes 0, taken after the downscale delay, unless a streaming session is open
+(its KV lives on a replica: the floor stays 1).  Requests that arrive then are held at
+the gateway and count as load; a proposal above zero replicas is taken at once (no
+upscale delay), as Ray Serve does for a deployment scaled to zero.
+
     load (mean)   12 ──────┐                        target 4, min 1, max 4
                             └──── 3 ────────
     proposal       3 ──────┐                        upscale delay 30 s
@@ -43,6 +49,11 @@ class ScaleChange:
         )
 
 
+def keep_for_sessions(sessions_open: int) -> int:
+    """The fewest replicas open streaming sessions need: one (their KV lives there)."""
+    return 1 if sessions_open else 0
+
+
 class Autoscaler:
     def __init__(self, policy: AutoscalingSpec, replicas: int):
         self.policy = policy
@@ -60,14 +71,15 @@ class Autoscaler:
         self.replicas = policy.clamp(self.replicas if replicas is None else replicas)
         self._pending = None
 
-    def observe(self, now: float, ongoing: int) -> ScaleChange | None:
-        """Record the load at ``now``; returns the change when a new count is due."""
+    def observe(self, now: float, ongoing: int, sessions_open: int = 0) -> ScaleChange | None:
+        """Record the load at ``now`` (``ongoing``: streams open on replicas and requests
+        held for one); returns the change when a new count is due."""
         self._samples.append((now, ongoing))
         while self._samples[0][0] < now - self.policy.look_back_seconds:
             self._samples.popleft()
         self.mean_ongoing = sum(n for _, n in self._samples) / len(self._samples)
         self.wanted = math.ceil(self.mean_ongoing / self.policy.target_ongoing_requests)
-        self.proposal = self.policy.clamp(self.wanted)
+        self.proposal = self.policy.clamp(max(self.wanted, keep_for_sessions(sessions_open)))
         return self._decide(now)
 
     def _decide(self, now: float) -> ScaleChange | None:
@@ -85,6 +97,8 @@ class Autoscaler:
             if direction > 0
             else self.policy.downscale_delay_seconds
         )
+        if self.replicas == 0:  # requests are waiting for any replica at all
+            delay = 0
         if now - since < delay:
             return None
         change = ScaleChange(

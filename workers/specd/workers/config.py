@@ -328,10 +328,15 @@ class AutoscalingSpec(_Spec):
     """Gateway-only (not in the config hash): the replica count follows the load between
     ``minReplicas`` and ``maxReplicas`` (Ray Serve's policy on ongoing requests);
     ``spec.replicas`` is where it starts, and setting it (``kubectl scale``) moves the
-    count there at once."""
+    count there at once.  ``minReplicas: 0`` scales to zero when idle; a request then
+    waits for a replica to start (at most ``coldStartTimeoutSeconds``)."""
 
     min_replicas: int = Field(
-        1, ge=1, le=1024, description="Fewest replicas (no scale to zero: a model load is slow)"
+        1,
+        ge=0,
+        le=1024,
+        description="Fewest replicas; 0: none while idle (no open stream or session), and "
+        "the first request waits for a model load",
     )
     max_replicas: int = Field(ge=1, le=1024, description="Most replicas")
     target_ongoing_requests: float = Field(
@@ -346,6 +351,12 @@ class AutoscalingSpec(_Spec):
     )
     downscale_delay_seconds: float = Field(
         600, ge=0, description="A lower count must be asked for this long before replicas leave"
+    )
+    cold_start_timeout_seconds: float = Field(
+        300,
+        gt=0,
+        description="minReplicas 0: how long a request waits for a replica to start before "
+        "it gets 503",
     )
 
     @model_validator(mode="after")

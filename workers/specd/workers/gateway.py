@@ -315,6 +315,20 @@ class _Api:
     def context_length(self) -> int:
         return int(self._ready_info("context_length"))
 
+    async def replica_ready(self, request: Request) -> None:
+        """Return once a replica is ready: at once, or (a pool scaled to zero) after one
+        started for this request; 503 naming the timeout if none did in time."""
+        if await self.pool.wait_for_replica(request.is_disconnected) or not (
+            self.pool.scales_to_zero
+        ):
+            return  # (not scaling to zero: the caller answers 503 as before)
+        timeout = self.pool.autoscaler.policy.cold_start_timeout_seconds
+        raise ApiError(
+            503,
+            f"no replica became ready within {timeout:g} s of this request (scaled to zero; "
+            "spec.autoscaling.coldStartTimeoutSeconds); retry shortly",
+        )
+
     def sampling_defaults(self) -> dict[str, float]:
         """What a request that leaves a sampling field out gets (the engine resolved it
         from spec.samplingDefaults and the model's generation_config.json)."""
@@ -701,6 +715,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
+        await api.replica_ready(request)
         api.context_length()  # 503 before tokenizing when nothing can serve
         prompt = api.completion_prompt(body)
         return await api.generate(
@@ -710,6 +725,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         api.check_model(body.model)
+        await api.replica_ready(request)
         context_length = api.context_length()
         prompt = api.chat_prompt(body)
         # OpenAI's chat default: as long as the context allows (the engine stops there)
@@ -727,7 +743,9 @@ def build_app(
         return await api.generate(request, body, fmt, prompt, default_max_tokens, parser)
 
     @app.post("/v1/sessions")
-    async def open_session() -> Response:
+    async def open_session(request: Request) -> Response:
+        api.check_sessions_enabled(None)
+        await api.replica_ready(request)
         return _json(await api.open_session())
 
     @app.delete("/v1/sessions/{session_id}")
@@ -764,9 +782,10 @@ def build_app(
     async def health() -> JSONResponse:
         ready = pool.ready()
         unhealthy = [r.name for r in ready if not r.healthy]
-        ok = bool(ready) and not unhealthy
+        idle = pool.scales_to_zero and pool.desired_replicas == 0  # a request starts one
+        ok = (bool(ready) or idle) and not unhealthy
         body = {
-            "status": "ok" if ok else "unavailable",
+            "status": "scaled_to_zero" if idle and not ready else "ok" if ok else "unavailable",
             "ready_replicas": len(ready),
             "desired_replicas": pool.desired_replicas,
             "unhealthy_replicas": unhealthy,

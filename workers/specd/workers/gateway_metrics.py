@@ -51,7 +51,12 @@ class GatewayMetrics:
         self.ongoing_requests = Gauge(
             "specd_gateway_ongoing_requests",
             "Streams the gateway has open on its replicas (running or queued in their "
-            "engines): the autoscaler's load",
+            "engines) and requests held for a replica to start: the autoscaler's load",
+            registry=self.registry,
+        )
+        self.held_requests = Gauge(
+            "specd_gateway_held_requests",
+            "Requests waiting for a replica to start (autoscaling.minReplicas 0, scaled to zero)",
             registry=self.registry,
         )
         self._routing = _RoutingCounts()
@@ -62,6 +67,7 @@ class GatewayMetrics:
         self.desired_replicas.set(pool.desired_replicas)
         self.wanted_replicas.set(pool.wanted_replicas)
         self.ongoing_requests.set(pool.ongoing_requests())
+        self.held_requests.set(pool.held_requests)
         states = [a["state"] for a in pool.status()["actors"]]
         for state in ReplicaState:
             self.replicas.labels(state.value).set(states.count(state.value))

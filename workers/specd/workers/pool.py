@@ -27,7 +27,7 @@ import re
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol
@@ -46,6 +46,7 @@ from specd.workers.session_homes import SessionHomes
 log = logging.getLogger(__name__)
 
 MAX_START_BACKOFF_S = 60.0
+_HELD_POLL_S = 0.05  # how often a request held for a replica looks for one
 _MAX_SESSION_HOPS = 8  # replicas a session may have moved through (then: ask around)
 
 
@@ -216,6 +217,7 @@ class PoolController:
         self.released = False  # `stop` ran: the actors are gone and stay gone
         self.session_homes = SessionHomes()  # where the sessions of retired replicas went
         self.autoscaler: Autoscaler | None = None  # with spec.autoscaling, from `start`
+        self.held_requests = 0  # requests waiting for a replica to start (scaled to zero)
 
     @property
     def desired_replicas(self) -> int:
@@ -506,7 +508,12 @@ class PoolController:
                 "predicted_hit_tokens": self.routed_hit_tokens.total(),
             },
             "autoscaling": (
-                None if self.autoscaler is None else self.autoscaler.status(time.monotonic())
+                None
+                if self.autoscaler is None
+                else {
+                    **self.autoscaler.status(time.monotonic()),
+                    "held_requests": self.held_requests,
+                }
             ),
             "events": list(self.events),
         }
@@ -572,17 +579,44 @@ class PoolController:
         replica.evictions_seen = evicted["total"]
 
     def ongoing_requests(self) -> int:
-        """Streams open on the replicas (a retiring one's too: load until they end)."""
-        return sum(r.inflight for r in self._replicas.values())
+        """Streams open on the replicas (a retiring one's too: load until they end) and
+        requests held for a replica to start."""
+        return sum(r.inflight for r in self._replicas.values()) + self.held_requests
 
     def _autoscale(self, now: float) -> None:
-        """Give the autoscaler the load (`ongoing_requests`); an event when it takes a
-        new count."""
+        """Give the autoscaler the load (`ongoing_requests`, and the sessions open on
+        ready replicas); an event when it takes a new count."""
         if self.autoscaler is None:
             return
-        change = self.autoscaler.observe(now, self.ongoing_requests())
+        sessions = sum(int(r.load.get("sessions_open", 0)) for r in self.ready())
+        change = self.autoscaler.observe(now, self.ongoing_requests(), sessions)
         if change is not None:
             self._event("-", "autoscaled", change.describe())
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """``spec.autoscaling.minReplicas`` is 0: requests wait for a replica to start."""
+        return self.autoscaler is not None and self.autoscaler.policy.min_replicas == 0
+
+    async def wait_for_replica(self, gone: Callable[[], Awaitable[bool]]) -> bool:
+        """Hold a request while no replica is ready, in a pool that scales to zero: it
+        counts as load, so the autoscaler starts one at once.  True once one is ready;
+        False at ``coldStartTimeoutSeconds``, when ``gone()`` (the client left), or at
+        once in a pool that does not scale to zero."""
+        if self.ready() or not self.scales_to_zero or self.released:
+            return bool(self.ready())
+        deadline = time.monotonic() + self.autoscaler.policy.cold_start_timeout_seconds
+        self.held_requests += 1
+        try:
+            self._autoscale(time.monotonic())
+            self._kick()
+            while not self.ready():
+                if time.monotonic() >= deadline or await gone():
+                    return False
+                await asyncio.sleep(_HELD_POLL_S)
+            return True
+        finally:
+            self.held_requests -= 1
 
     def _reconcile(self) -> None:
         """One synchronous pass: forget the dead, then launch starts and retirements."""
