@@ -318,11 +318,12 @@ class _Api:
     async def replica_ready(self, request: Request) -> None:
         """Return once a replica is ready: at once, or (a pool scaled to zero) after one
         started for this request; 503 naming the timeout if none did in time."""
-        if await self.pool.wait_for_replica(request.is_disconnected) or not (
-            self.pool.scales_to_zero
-        ):
-            return  # (not scaling to zero: the caller answers 503 as before)
-        timeout = self.pool.autoscaler.policy.cold_start_timeout_seconds
+        pool = self.pool
+        if await pool.wait_for_replica(request.is_disconnected) or not pool.scales_to_zero:
+            return  # (nothing to wait for: the caller answers 503 as before)
+        if pool.released:
+            raise ApiError(503, "this deployment's replicas were released")
+        timeout = pool.autoscaler.policy.cold_start_timeout_seconds
         raise ApiError(
             503,
             f"no replica became ready within {timeout:g} s of this request (scaled to zero; "
