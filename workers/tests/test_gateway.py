@@ -39,9 +39,11 @@ from specd.workers.tools.tiny_draft import make_tiny_eagle
 MODEL = "tiny"
 CONTEXT = 2048  # long enough for streams that outlive an actor kill
 GREEDY = {"temperature": 0, "max_tokens": 24}
-# a repeated request may start on its cached prefix: its prefill runs in other shapes,
-# so float32 log-probs round differently (measured up to 1.3e-6)
-CACHED_ATOL = 1e-5
+# float32 log-probs of one request sent twice round differently: the second may start
+# on its cached prefix (its prefill runs in other shapes; measured up to 1.3e-6) or land
+# on the other replica, whose CPU linear layouts (timed at load, see cpu_linear.py) may
+# sum in another order (measured 1.9e-5 with a busy CPU)
+REPEAT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -460,9 +462,9 @@ def test_completion_logprobs(http):
     pieces = [c["choices"][0]["logprobs"] for c in chunks]
     joined = {key: [v for p in pieces for v in p[key]] for key in full}
     assert joined["tokens"] == full["tokens"] and joined["text_offset"] == full["text_offset"]
-    assert joined["token_logprobs"] == pytest.approx(full["token_logprobs"], abs=CACHED_ATOL)
+    assert joined["token_logprobs"] == pytest.approx(full["token_logprobs"], abs=REPEAT_ATOL)
     for got, want in zip(joined["top_logprobs"], full["top_logprobs"], strict=True):
-        assert got == pytest.approx(want, abs=CACHED_ATOL)
+        assert got == pytest.approx(want, abs=REPEAT_ATOL)
     assert (
         http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0][
             "logprobs"
@@ -490,7 +492,7 @@ def test_echo_scores_the_prompt(http):
     assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
     plain = http.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
     assert plain["logprobs"]["token_logprobs"] == pytest.approx(
-        lp["token_logprobs"][-1:], abs=CACHED_ATOL
+        lp["token_logprobs"][-1:], abs=REPEAT_ATOL
     )
     assert choice["text"] == prompt + plain["text"]
 
@@ -498,7 +500,7 @@ def test_echo_scores_the_prompt(http):
     assert "".join(chunk_text(c) for c in chunks) == choice["text"]
     joined = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert joined[0] is None
-    assert joined[1:] == pytest.approx(lp["token_logprobs"][1:], abs=CACHED_ATOL)
+    assert joined[1:] == pytest.approx(lp["token_logprobs"][1:], abs=REPEAT_ATOL)
 
     by_ids = {**body, "prompt": [5, 6, 7], "logprobs": None}
     echoed = http.post("/v1/completions", json=by_ids).json()["choices"][0]
@@ -535,7 +537,7 @@ def test_chat_logprobs_through_the_openai_client(gateway):
     ]
     assert [e.token for e in streamed] == [e.token for e in content]
     for got, want in zip(streamed, content, strict=True):
-        assert got.logprob == pytest.approx(want.logprob, abs=CACHED_ATOL)
+        assert got.logprob == pytest.approx(want.logprob, abs=REPEAT_ATOL)
         assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
     plain = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, **GREEDY)
     assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[]] * len(content)
