@@ -217,9 +217,9 @@ def test_relative_paths_resolve_against_the_file(tmp_path):
     assert load_deployment(tmp_path / "sdd.yaml").spec.model.path == str(tmp_path / "models/t")
 
 
-def test_config_hash_ignores_replicas_routing_autoscaling_tool_calls_and_auth_only():
+def test_config_hash_ignores_what_only_the_gateway_reads():
     """None changes what a replica runs: scaling (by hand or autoscaled), re-routing, a
-    tool-call parser or API keys roll no replica."""
+    tool-call or reasoning parser or API keys roll no replica."""
     a = parse_deployment(doc(replicas=1)).spec
     assert a.config_hash() == parse_deployment(doc(replicas=5)).spec.config_hash()
     routed = doc(routing={"policy": "leastLoad", "cacheThreshold": 0.9})
@@ -230,6 +230,8 @@ def test_config_hash_ignores_replicas_routing_autoscaling_tool_calls_and_auth_on
     assert a.config_hash() == parse_deployment(parsed).spec.config_hash()
     keyed = doc(auth={"apiKeySecret": {"name": "llm-keys"}})
     assert a.config_hash() == parse_deployment(keyed).spec.config_hash()
+    reasoned = doc(reasoning={"parser": "qwen3"})
+    assert a.config_hash() == parse_deployment(reasoned).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
 
 
@@ -244,6 +246,11 @@ def test_config_hash_ignores_replicas_routing_autoscaling_tool_calls_and_auth_on
 def test_a_bad_api_key_secret_is_refused_naming_the_field(auth, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         parse_deployment(doc(auth=auth))
+
+
+def test_an_unknown_reasoning_parser_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match=r"spec\.reasoning\.parser: .*'deepseek_r1' or 'qwen3'"):
+        parse_deployment(doc(reasoning={"parser": "o1"}))
 
 
 def test_each_kubernetes_namespace_gets_its_own_ray_namespace():

@@ -650,6 +650,16 @@ BAD_INPUTS = {
     ),
     "session_id, sessions disabled": (CMPL, {**A, "session_id": "x.y"}, 400, "session_id"),
     "priority under fcfs": (CMPL, {**A, "priority": 1}, 400, "priority"),
+    "template kwargs the server sets": (
+        CHAT,
+        {
+            **M,
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"add_generation_prompt": False},
+        },
+        400,
+        "chat_template_kwargs",
+    ),
     "priority not an int": (CMPL, {**A, "priority": "high"}, 400, "priority"),
     "chat session_id, sessions disabled": (
         CHAT,
@@ -822,6 +832,41 @@ def test_auto_tool_choice_follows_the_configured_parser_without_a_roll(gateway):
         assert done.choices[0].finish_reason == "tool_calls"
     else:
         assert message.content == streamed and done.choices[0].finish_reason == "length"
+
+
+def test_reasoning_parser_set_live_splits_chat_output(gateway):
+    """``spec.reasoning.parser`` set live (nothing rolls): deepseek_r1 thinks first, so a
+    random model's output that never closes its thinking is all ``reasoning_content``,
+    streamed alike; a request held to a grammar cannot think, so its JSON is content;
+    qwen3 without a <think> opening leaves it all content."""
+    pool = gateway.pool
+    old, names = pool.spec, {r.name for r in pool.ready()}
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], **GREEDY)
+
+    def parser(name):
+        return old.model_copy(
+            update={"reasoning": old.reasoning.model_copy(update={"parser": name})}
+        )
+
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    try:
+        in_loop(gateway, pool.update_spec, parser("deepseek_r1"))
+        message = client.chat.completions.create(**ask).choices[0].message
+        assert message.content is None and message.reasoning_content == plain
+        streamed = [c.choices[0].delta for c in client.chat.completions.create(**ask, stream=True)]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in streamed) == plain
+        assert not any(d.content for d in streamed)
+        held = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+        assert held.choices[0].message.content and not getattr(
+            held.choices[0].message, "reasoning_content", None
+        )
+        in_loop(gateway, pool.update_spec, parser("qwen3"))
+        message = client.chat.completions.create(**ask).choices[0].message
+        assert message.content == plain and not getattr(message, "reasoning_content", None)
+        assert pool.converged() and {r.name for r in pool.ready()} == names  # nothing rolled
+    finally:
+        in_loop(gateway, pool.update_spec, old)
 
 
 def aborts(http) -> float:

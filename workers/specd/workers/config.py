@@ -384,6 +384,17 @@ class ToolCallsSpec(_Spec):
     )
 
 
+class ReasoningSpec(_Spec):
+    """Gateway-only (not in the config hash): how a thinking model's reasoning is found."""
+
+    parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="The model family's thinking format, returned as reasoning_content: "
+        "deepseek_r1 (always thinks, up to </think>) or qwen3 (<think>...</think> when "
+        "thinking is on); unset: the whole output is content",
+    )
+
+
 class SecretKeyRef(_Spec):
     name: str = Field(
         pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
@@ -510,6 +521,7 @@ class DeploymentSpec(_Spec):
     autoscaling: AutoscalingSpec | None = None
     tool_calls: ToolCallsSpec = Field(default_factory=ToolCallsSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    reasoning: ReasoningSpec = Field(default_factory=ReasoningSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
     debug: DebugSpec = Field(default_factory=DebugSpec)
@@ -548,11 +560,11 @@ class DeploymentSpec(_Spec):
 
     def config_hash(self) -> str:
         """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing`, `autoscaling`, `toolCalls` and `auth`)."""
+        the gateway's `routing`, `autoscaling`, `toolCalls`, `auth` and `reasoning`)."""
         body = self.model_dump(
             mode="json",
             by_alias=True,
-            exclude={"replicas", "routing", "autoscaling", "tool_calls", "auth"},
+            exclude={"replicas", "routing", "autoscaling", "tool_calls", "auth", "reasoning"},
         )
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 

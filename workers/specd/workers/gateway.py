@@ -87,6 +87,7 @@ from specd.workers.openai_protocol import (
     TokenizeResponse,
     UsageInfo,
     error_body,
+    output_constraints,
     render_logprobs,
 )
 from specd.workers.parallel_choices import choice_requests, merge_streams
@@ -97,6 +98,7 @@ from specd.workers.pool import (
     ReplicaState,
     replica_of_actor,
 )
+from specd.workers.reasoning import PARSERS, ReasoningParser
 from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
@@ -200,6 +202,7 @@ def _failure(delta: GenerateDelta) -> ApiError | None:
 
 
 _SESSION_ERRORS = (404, 409, 410)  # unknown, a turn already in flight, closed or expired
+_PROMPT_TAIL_TOKENS = 8  # enough to see whether a chat template opened <think>
 _REMEMBERED_UNPLACED = 65536  # sessions opened here whose first turn may still move them
 
 
@@ -365,11 +368,28 @@ class _Api:
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """The chat template over ``messages`` (a session turn: the new messages only)."""
         try:
-            return apply_chat_template(self.tokenizer, body.chat_messages(), body.template_tools())
+            return apply_chat_template(
+                self.tokenizer,
+                body.chat_messages(),
+                body.template_tools(),
+                body.chat_template_kwargs,
+            )
         except Exception as err:  # jinja template errors: the messages do not fit the template
             raise ApiError(
                 400, f"messages: the model's chat template refused them: {err}", "messages"
             ) from err
+
+    def reasoning_for(
+        self, body: ChatCompletionRequest, prompt: Sequence[int]
+    ) -> tuple[ReasoningParser | None, str]:
+        """``spec.reasoning``'s parser for ``body`` and the end of its prompt (which may
+        open the thinking block); none for a request held to a grammar from its first
+        token (structured output, a forced tool call), which cannot think."""
+        name = self.pool.spec.reasoning.parser
+        forced = body.tool_choice_name() not in (None, "auto") or output_constraints(vars(body))
+        if name is None or forced:
+            return None, ""
+        return PARSERS[name], self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
 
     # -- sessions -------------------------------------------------------------
     def check_sessions_enabled(self, param: str | None) -> None:
@@ -740,7 +760,7 @@ def build_app(
                 '"required", a named function or "none"',
                 "tool_choice",
             )
-        fmt = ChatFormat(choice, parser)
+        fmt = ChatFormat(choice, parser, *api.reasoning_for(body, prompt))
         return await api.generate(request, body, fmt, prompt, default_max_tokens, parser)
 
     @app.post("/v1/sessions")

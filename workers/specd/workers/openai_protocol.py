@@ -33,6 +33,7 @@ from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.types import Grammar, SamplingParams, TokenLogprob
 from specd.workers.engine.types import Usage as EngineUsage
 from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
+from specd.workers.reasoning import ReasoningParser, ReasoningStream
 from specd.workers.tool_calls import NO_PARAMETERS, ToolCall, ToolCallReader, tool_grammar
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
@@ -87,6 +88,21 @@ class ResponseFormatParam(_Lenient):
         if (info.data.get("format") is None) == (info.data.get("type") == "structural_tag"):
             raise ValueError('send format exactly when type is "structural_tag"')
         return value
+
+
+# chat template arguments the server sets itself
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "chat_template", "add_generation_prompt", "tokenize",
+     "return_dict", "continue_final_message", "documents"}
+)  # fmt: skip
+
+
+def checked_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` that leave the server's own arguments alone."""
+    taken = sorted(_RESERVED_TEMPLATE_KWARGS & set(value or ()))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} cannot be set here: the server sets them")
+    return value
 
 
 def output_constraints(fields: Mapping[str, Any]) -> list[str]:
@@ -426,6 +442,12 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, validate_default=True
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Extension (vLLM's): more variables for the chat template, e.g. "
+        '{"enable_thinking": false}',
+    )
+    _template_kwargs = field_validator("chat_template_kwargs")(checked_template_kwargs)
 
     @field_validator("tool_choice")
     @classmethod
@@ -489,6 +511,8 @@ class TokenizeRequest(_Lenient):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, validate_default=True)
     tools: list[ToolParam] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    _template_kwargs = field_validator("chat_template_kwargs")(checked_template_kwargs)
 
     @field_validator("messages")
     @classmethod
@@ -652,6 +676,7 @@ class CompletionResponse(ResponseBase):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)  # spec.reasoning
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
 
 
@@ -674,6 +699,7 @@ class ToolCallDelta(ToolCallOut):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
     tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_omit_none)
 
 
@@ -868,13 +894,23 @@ class ChatFormat:
     """Chat responses and chunks; with a ``tool_choice`` (``"required"``, ``"auto"`` and
     its ``tool_parser``, or a function's name) the output is read back as tool calls,
     and a stream holds a choice's text from where a call opens until it ends (a call is
-    sent whole, as one delta)."""
+    sent whole, as one delta).  With a ``reasoning`` parser (and the prompt's last
+    characters, which may open the thinking block) a choice's thinking is returned as
+    ``reasoning_content`` and only the rest is content (`reasoning`)."""
 
     id_prefix = "chatcmpl-"
 
-    def __init__(self, tool_choice: str | None = None, tool_parser: str | None = None):
+    def __init__(
+        self,
+        tool_choice: str | None = None,
+        tool_parser: str | None = None,
+        reasoning: ReasoningParser | None = None,
+        prompt_tail: str = "",
+    ):
         self.tools = ToolCallReader(tool_choice, tool_parser) if tool_choice is not None else None
+        self.reasoning, self.prompt_tail = reasoning, prompt_tail
         self._held: dict[int, str] = {}  # per choice: text held back
+        self._thinking: dict[int, ReasoningStream] = {}  # per choice, while streaming
 
     def _message(self, text: str, finish: str) -> tuple[ChatMessageOut, str]:
         if self.tools is None:
@@ -883,12 +919,22 @@ class ChatFormat:
         out = [_call_out(c) for c in calls] or None
         return ChatMessageOut(content=content, tool_calls=out), finish
 
+    def _whole_message(self, text: str, finish: str) -> tuple[ChatMessageOut, str]:
+        """A finished choice's message: its reasoning apart, the rest read for calls."""
+        if self.reasoning is None:
+            return self._message(text, finish)
+        reasoning, content = self.reasoning.split(text, self.prompt_tail)
+        if self.tools is None:
+            return ChatMessageOut(content=content, reasoning_content=reasoning), finish
+        message, finish = self._message(content or "", finish)
+        return message.model_copy(update={"reasoning_content": reasoning}), finish
+
     def response(
         self, rid: str, model: str, choices: Sequence[ChoiceResult], usage: UsageInfo | None
     ) -> ChatCompletionResponse:
         out = []
         for c in choices:
-            message, finish = self._message(c.text, c.finish)
+            message, finish = self._whole_message(c.text, c.finish)
             out.append(
                 ChatChoice(
                     index=c.index,
@@ -907,21 +953,34 @@ class ChatFormat:
     def chunk(
         self, rid: str, model: str, index: int, text: str, finish: str | None, logprobs: Logprobs
     ) -> ChatCompletionChunk | None:
-        delta = ChatDelta(content=text or None)
+        reasoning = ""
+        if self.reasoning is not None:
+            thinking = self._thinking.setdefault(
+                index, ReasoningStream(self.reasoning, self.prompt_tail)
+            )
+            reasoning, text = thinking.feed(text)
+            if finish is not None:
+                more_reasoning, more_text = thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        delta = ChatDelta(content=text or None, reasoning_content=reasoning or None)
         if self.tools is not None:
             text = self._held.pop(index, "") + text
             if finish is None:
                 now, self._held[index] = self.tools.streamable(text)
-                if not now and logprobs is None:
+                if not now and not reasoning and logprobs is None:
                     return None
-                delta = ChatDelta(content=now or None)
+                delta = ChatDelta(content=now or None, reasoning_content=reasoning or None)
             else:
                 message, finish = self._message(text, finish)
                 calls = [
                     ToolCallDelta(index=j, **call.model_dump())
                     for j, call in enumerate(message.tool_calls or [])
                 ]
-                delta = ChatDelta(content=message.content or None, tool_calls=calls or None)
+                delta = ChatDelta(
+                    content=message.content or None,
+                    reasoning_content=reasoning or None,
+                    tool_calls=calls or None,
+                )
         choice = ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish, logprobs=chat_logprobs(logprobs)
         )

@@ -40,9 +40,11 @@ def apply_chat_template(
     tok: PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and the ``tools`` a template may list) followed by the
-    assistant generation prompt.
+    assistant generation prompt; ``template_kwargs``: more template variables (e.g.
+    Qwen3's ``enable_thinking``).
 
     The text already carries the template's special tokens (bos included), so it is
     encoded without adding more.
@@ -53,6 +55,7 @@ def apply_chat_template(
         chat_template=None if tok.chat_template else FALLBACK_CHAT_TEMPLATE,
         add_generation_prompt=True,
         tokenize=False,
+        **(template_kwargs or {}),
     )
     return tok(text, add_special_tokens=False)["input_ids"]
 
