@@ -37,9 +37,11 @@ import contextlib
 import functools
 import hmac
 import importlib.metadata
+import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import uuid
@@ -56,7 +58,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
 )
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
@@ -99,6 +101,17 @@ from specd.workers.pool import (
     replica_of_actor,
 )
 from specd.workers.reasoning import PARSERS, ReasoningParser
+from specd.workers.responses_api import (
+    InvalidItem,
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    conversation_after,
+    created_now,
+    output_items,
+    response_object,
+    to_chat,
+)
 from specd.workers.router import parse_session_token, session_token
 
 log = logging.getLogger(__name__)
@@ -745,6 +758,10 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve_chat(body, request)
+
+    async def serve_chat(body: ChatCompletionRequest, request: Request) -> Response:
+        """A chat completion (also the Responses API's engine room)."""
         api.check_model(body.model)
         await api.replica_ready(request)
         context_length = api.context_length()
@@ -762,6 +779,61 @@ def build_app(
             )
         fmt = ChatFormat(choice, parser, *api.reasoning_for(body, prompt))
         return await api.generate(request, body, fmt, prompt, default_max_tokens, parser)
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        api.check_model(body.model)
+        history = []
+        if body.previous_response_id is not None:
+            if (found := stored.get(body.previous_response_id)) is None:
+                message = f"no stored response {body.previous_response_id!r} (store: false, deleted, or this gateway restarted)"
+                raise ApiError(404, f"previous_response_id: {message}", "previous_response_id")
+            history = found[1]
+        chat = _as_chat(body, history)
+        rid, created = f"resp_{uuid.uuid4().hex}", created_now()
+        try:
+            answer = await serve_chat(chat, request)
+        except ApiError as err:
+            raise _in_responses_terms(err, body, len(history)) from err
+        conversation = history + [
+            m.for_template() for m in chat.messages[bool(body.instructions) :]
+        ]
+        if isinstance(answer, StreamingResponse):
+            events = ResponseEvents(rid, body, created)
+
+            async def translated() -> AsyncIterator[str]:
+                async for event in events.translate(answer.body_iterator):
+                    yield event
+                if body.store and not events.failed:
+                    response = response_object(
+                        rid, body, events.output, events.finish, events.usage, created
+                    )
+                    stored.put(response, conversation + conversation_after(events.output))
+
+            return StreamingResponse(translated(), media_type="text/event-stream")
+        if answer.status_code != 200:
+            return answer
+        choice = json.loads(answer.body)["choices"][0]
+        output = output_items(choice["message"])
+        usage = json.loads(answer.body).get("usage")
+        response = response_object(rid, body, output, choice["finish_reason"], usage, created)
+        if body.store:
+            stored.put(response, conversation + conversation_after(output))
+        return JSONResponse(response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        if (found := stored.get(response_id)) is None:
+            raise ApiError(404, f"no stored response {response_id!r}")
+        return JSONResponse(found[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> JSONResponse:
+        if not stored.delete(response_id):
+            raise ApiError(404, f"no stored response {response_id!r}")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/sessions")
     async def open_session(request: Request) -> Response:
@@ -833,6 +905,54 @@ def build_app(
         return JSONResponse({"released": await asyncio.shield(release)})
 
     return app
+
+
+# chat fields a Responses request sets through its own (longest first)
+_RESPONSES_PARAMS = (
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+)
+
+
+def _as_chat(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """``body`` as a chat request; what cannot be one is a 400 naming the Responses
+    field."""
+    try:
+        return ChatCompletionRequest.model_validate(to_chat(body, history))
+    except InvalidItem as err:
+        raise ApiError(400, str(err), err.param) from err
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        param = param.lstrip(".") or None
+        chat_error = ApiError(400, _validation_message(first, param), param)
+        raise _in_responses_terms(chat_error, body, len(history)) from err
+
+
+def _in_responses_terms(err: ApiError, body: ResponsesRequest, history: int) -> ApiError:
+    """A chat error about a field the Responses request names otherwise, renamed (the
+    chat ``messages[i]`` are the instructions, the history, then ``input``)."""
+    if err.param is None:
+        return err
+    param = err.param
+    if (message := re.match(r"messages\[(\d+)\]", param)) is not None:
+        i = int(message[1]) - bool(body.instructions) - history
+        head = f"input[{i}]" if i >= 0 and not isinstance(body.input, str) else "input"
+        param = head + param[message.end() :]
+        if i < 0:
+            param = (
+                "instructions"
+                if int(message[1]) == 0 and body.instructions
+                else "previous_response_id"
+            )
+    for chat_name, name in _RESPONSES_PARAMS:
+        if param == chat_name or param.startswith((f"{chat_name}.", f"{chat_name}[")):
+            param = name + param[len(chat_name) :]
+            break
+    if param == err.param:
+        return err
+    return ApiError(err.status, err.message.replace(err.param, param, 1), param)
 
 
 def _bearer_matches(request: Request, token: str) -> bool:
