@@ -159,3 +159,62 @@ def test_what_cannot_be_served_is_refused_naming_the_field(gateway, extra, param
     r = httpx.post(f"{gateway.url}/v1/responses", json={"model": MODEL, **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def _translated(chat_chunks: list[dict | str]) -> list[dict]:
+    """A chat stream's SSE (dicts as data events, strings as raw data) through
+    `ResponseEvents` -> the Responses events' payloads."""
+    import asyncio
+
+    from specd.workers.responses_api import ResponseEvents, ResponsesRequest
+
+    async def chat():
+        for chunk in chat_chunks:
+            yield f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
+
+    async def run():
+        body = ResponsesRequest(model=MODEL, input="x")
+        return [e async for e in ResponseEvents("resp_1", body, 0).translate(chat())]
+
+    events = asyncio.run(run())
+    assert all(e.startswith("event: ") for e in events)
+    return [json.loads(e.split("data: ", 1)[1]) for e in events]
+
+
+def delta(finish=None, **fields) -> dict:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": finish}]}
+
+
+def test_a_stream_with_reasoning_text_and_a_call_keeps_openais_order():
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
+    events = _translated([
+        delta(reasoning_content="hm"), delta(reasoning_content="m"), delta(content="Hi"),
+        delta("tool_calls", tool_calls=[call]),
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
+        "[DONE]",
+    ])  # fmt: skip
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "hmm"
+    assert final["usage"]["total_tokens"] == 7 and final["status"] == "completed"
+
+
+def test_a_failed_stream_ends_with_response_failed():
+    error = {"error": {"message": "replica lost", "type": "internal_error", "code": 500}}
+    events = _translated([delta(content="Hi"), error, "[DONE]"])
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed"

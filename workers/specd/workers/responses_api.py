@@ -337,15 +337,20 @@ class ResponseEvents:
                     continue
                 data = line[len("data: ") :]
                 if data == "[DONE]":
-                    for event in self._close():
+                    for event in [] if self.failed else self._close():
                         yield event
-                    kind = (
-                        "response.incomplete" if self.finish == "length" else "response.completed"
-                    )
-                    yield self._event(kind, response=self._response())
+                    yield self._ending()
                     continue
                 for event in self._chunk(json.loads(data)):
                     yield event
+
+    def _ending(self) -> str:
+        """The last event: the whole response, failed, cut by the limit, or completed."""
+        if self.failed:
+            return self._event("response.failed", response=self._response("failed"))
+        if self.finish == "length":
+            return self._event("response.incomplete", response=self._response())
+        return self._event("response.completed", response=self._response())
 
     def _chunk(self, chunk: dict) -> list[str]:
         if "error" in chunk:
