@@ -52,8 +52,8 @@ class ApiKeys:
 
     def allows(self, authorization: str) -> bool:
         """Whether an ``Authorization`` header value carries an accepted key."""
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        given = bearer_token(authorization)
+        if given is None or not given.strip():
             return False
         given_bytes = given.strip().encode()
         matches = [hmac.compare_digest(given_bytes, k.encode()) for k in self.current()]
@@ -77,6 +77,13 @@ class ApiKeys:
         self._file_version = version
         if not self._from_file:
             log.warning("API key file %s holds no key: every /v1 request is refused", self.path)
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, as sent (None for
+    another scheme)."""
+    scheme, _, given = authorization.partition(" ")
+    return given if scheme.lower() == "bearer" else None
 
 
 def needs_key(path: str) -> bool:

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from specd.workers.api_keys import ApiKeys, RequireApiKey
+from specd.workers.api_keys import ApiKeys, RequireApiKey, bearer_token
 from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
@@ -815,9 +815,10 @@ def build_app(
             return StreamingResponse(translated(), media_type="text/event-stream")
         if answer.status_code != 200:
             return answer
-        choice = json.loads(answer.body)["choices"][0]
+        chat_answer = json.loads(answer.body)
+        choice = chat_answer["choices"][0]
         output = output_items(choice["message"])
-        usage = json.loads(answer.body).get("usage")
+        usage = chat_answer.get("usage")
         response = response_object(rid, body, output, choice["finish_reason"], usage, created)
         if body.store:
             stored.put(response, conversation + conversation_after(output))
@@ -956,8 +957,8 @@ def _in_responses_terms(err: ApiError, body: ResponsesRequest, history: int) -> 
 
 
 def _bearer_matches(request: Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+    given = bearer_token(request.headers.get("authorization", ""))
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 # -- the serving process --------------------------------------------------------------

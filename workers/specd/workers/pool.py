@@ -403,12 +403,15 @@ class PoolController:
         ``current``, or routing is ``leastLoad``)."""
         if self.spec.routing.policy == "leastLoad":
             return None
-        want = self.spec.config_hash()
-        outdated = {r.name for r in self.ready() if r.config_hash != want}
-        choice = self._cache_aware_choice(PromptBlocks(prompt), outdated)
+        choice = self._cache_aware_choice(PromptBlocks(prompt), self._outdated_ready())
         if choice is None or choice[1] != "prefix" or choice[0] is current:
             return None
         return choice[0]
+
+    def _outdated_ready(self) -> set[str]:
+        """Ready replicas on an older config (leaving in a rolling update)."""
+        want = self.spec.config_hash()
+        return {r.name for r in self.ready() if r.config_hash != want}
 
     def _ready_except(self, exclude: frozenset[str] | set[str]) -> dict[str, Replica]:
         return {r.name: r for r in self.ready() if r.name not in exclude}
@@ -706,8 +709,7 @@ class PoolController:
         """Move drained ``replica``'s idle sessions to the replicas new sessions would
         go to (`SessionHomes.move_sessions`), current ones first (in a rolling update,
         not to a replica that leaves next)."""
-        want = self.spec.config_hash()
-        outdated = {r.name for r in self.ready() if r.config_hash != want}
+        outdated = self._outdated_ready()
 
         def pick(tried: set[str]) -> Replica | None:
             current = self.pick(tried | outdated, for_session=True)
