@@ -44,6 +44,8 @@ def make_pool(num_slots, kv_heads, dim, dtype=torch.float32, seed=0):
 
 def scattered_slots(kv_lens, num_slots, g):
     """One [kv_len] list of distinct, permuted pool slots per request."""
+    if sum(kv_lens) > num_slots:
+        raise ValueError(f"{sum(kv_lens)} slots asked of a pool of {num_slots}")
     perm = torch.randperm(num_slots, generator=g)
     starts = [sum(kv_lens[:i]) for i in range(len(kv_lens))]
     return [perm[s : s + n].to(DEVICE) for s, n in zip(starts, kv_lens, strict=True)]
@@ -457,7 +459,8 @@ def test_every_cuda_backend_matches_torch_in_bf16(backend, case, graph):
     impl = installed_cuda_backend(backend)
     g = torch.Generator().manual_seed(7)
     _, qo_lens, lens_or_lists, masked = next(c for c in production_cases(g) if c[0] == case)
-    num_slots = 20000
+    lens = lens_or_lists if isinstance(lens_or_lists[0], int) else []
+    num_slots = max(20000, sum(lens))  # decode-32's 32 contexts of up to 4096 slots each
     k_buf, v_buf, g = make_pool(num_slots + 1, 8, 128, torch.bfloat16, 3)
     slots = (
         scattered_slots(lens_or_lists, num_slots, g)

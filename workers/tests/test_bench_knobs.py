@@ -248,6 +248,35 @@ def test_bench_gpu_smoke(tmp_path):
     assert report["args"]["elementwise"] == "eager" and "elementwise eager" in done.stdout
 
 
+def test_profile_decode_smoke(tmp_path):
+    """The decode profile's wall time per step on CPU (no kernels there), and its kernel
+    families read off the names of real cuBLAS, Triton and flashinfer kernels."""
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "benchmarks/profile_decode.py", "--shape", "tiny", "--device", "cpu"]
+    cmd += ["--backend", "torch", "--short", "4", "--long", "12", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["backend"] == "torch" and report["wall_ms_per_step"] > 0
+    assert report["floor_ms"] > 0 and report["kernel_ms_per_step"] == 0
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from profile_decode import family
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    names = {
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+        "BatchDecodeWithPagedKVCacheKernel": "attention",
+        "_decode_grouped_att_m_fwd": "attention",
+        "_rms_norm_kernel": "elementwise",
+        "void at::native::reduce_kernel<512, 1>": "sampling",
+        "void at::native::index_elementwise_kernel<128, 4>": "copies",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>": "other",
+    }
+    assert {name: family(name) for name in names} == names
+
+
 def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monkeypatch):
     import importlib.util
 

@@ -79,10 +79,24 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
     assert not thread.is_alive(), "a gateway did not stop"
 
 
+TEST_GPU_KV_TOKENS = 16384
+
+
+def bounded_kv_cache(kv_cache: dict) -> dict:
+    """``kv_cache`` with ``maxTokens: TEST_GPU_KV_TOKENS`` unless it sizes the pool itself:
+    tests share one GPU between pytest-xdist workers, so none may take the default share
+    of free memory."""
+    if "maxTokens" in kv_cache or "memFraction" in kv_cache:
+        return kv_cache
+    return {**kv_cache, "maxTokens": TEST_GPU_KV_TOKENS}
+
+
 def start_engine(model_path, *, device: str = "cpu", **overrides) -> Engine:
     """An engine over ``model_path`` (float32 unless ``model.dtype`` says otherwise), with
     the spec fields in ``overrides`` (camelCase, as in the YAML)."""
     model = {"dtype": "float32", **overrides.pop("model", {})}
+    if device != "cpu":
+        overrides["kvCache"] = bounded_kv_cache(overrides.get("kvCache", {}))
     engine = Engine(spec_for_model(model_path, model=model, **overrides), device=device)
     engine.start()
     return engine
@@ -274,7 +288,12 @@ class Reference:
             results = run_all(engine, prompts, max_tokens=max_new, ignore_eos=True)
         finally:
             engine.shutdown()
-        return cls(prompts, [r[0] for r in results], max_new, judge)
+        outputs = [r[0] for r in results]
+        short = [i for i, out in enumerate(outputs) if len(out) != max_new]
+        if short:
+            raise RuntimeError(f"reference run failed: prompts {short} got fewer than "
+                               f"{max_new} tokens (see the engine's log)")  # fmt: skip
+        return cls(prompts, outputs, max_new, judge)
 
     def first(self, n: int) -> Reference:
         return dataclasses.replace(self, prompts=self.prompts[:n], outputs=self.outputs[:n])
