@@ -4,23 +4,33 @@
 # Runs the gpu-marked tests (the lossless matrix on every CUDA backend installed, kernels
 # against the torch reference, captured CUDA graphs) and the GPU benchmark (8B shape,
 # batch 1 and 32), and writes their logs and the benchmark's JSON to OUT_DIR
-# (default ./gpu-check); PYTEST_ARGS (e.g. -k flashinfer) narrow the tests, so a run can be
-# split to fit a time limit; with `bench`, BENCH_ARGS go to bench_gpu.py instead (e.g.
-# --overlap on --backends triton flashinfer).  Packages: specd's dependencies as usual (pip install -e
-# '.[test,gpu]'), or, offline, wheels in $SPECD_WHEELS (pydantic and its parts are all a
-# stock PyTorch image lacks; flashinfer is optional; scripts/offline_gpu_wheels.py
-# downloads them) installed to /tmp/specd-site, which later runs on the same host reuse
-# without SPECD_WHEELS.
+# (default ./gpu-check); PYTEST_ARGS (e.g. -k flashinfer, or -n 8 with pytest-xdist: the
+# tests bound their KV pools, so workers share one GPU) narrow or spread the tests; with
+# `bench`, BENCH_ARGS go to bench_gpu.py instead (e.g. --overlap on --backends triton
+# flashinfer).  Packages: specd's dependencies as usual (pip install -e '.[test,gpu]'),
+# or, offline, the bundle of scripts/offline_gpu_bundle.py in $SPECD_BUNDLE: its site
+# folder is unpacked to /tmp/specd-site (later runs on the same host reuse it without
+# SPECD_BUNDLE) and its packed demo weights restore any missing from examples/models/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
 out="${2:-gpu-check}"
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
-site=/tmp/specd-site  # the carried wheels, installed once per host: later runs reuse them
-if [[ -n "${SPECD_WHEELS:-}" ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
-    "$SPECD_WHEELS"/*.whl || exit
+site=/tmp/specd-site  # the bundle's packages, unpacked once per host: later runs reuse them
+if [[ -n "${SPECD_BUNDLE:-}" ]]; then
+  python3 - "$SPECD_BUNDLE" "$site" <<'PY' || exit
+import lzma, shutil, sys, tarfile
+from pathlib import Path
+bundle, site = Path(sys.argv[1]), sys.argv[2]
+tarfile.open(bundle / "site.tar.xz").extractall(site, filter="data")
+for packed in sorted((bundle / "models").glob("*.safetensors.xz")):
+    weights = Path("examples/models") / packed.name.split(".")[0] / "model.safetensors"
+    if not weights.exists():
+        with lzma.open(packed) as src, weights.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 24)
+        print(f"restored {weights}")
+PY
 fi
 [[ -d "$site" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import specd.workers' 2>/dev/null || export PYTHONPATH="workers:kernels${PYTHONPATH:+:$PYTHONPATH}"
