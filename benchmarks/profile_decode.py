@@ -41,6 +41,7 @@ TOP_KERNELS = 12
 
 
 def family(kernel: str) -> str:
+    """The family of FAMILIES whose pattern the kernel's name matches first, or "other"."""
     low = kernel.lower()
     return next((name for name, pattern in FAMILIES if re.search(pattern, low)), "other")
 
@@ -68,7 +69,7 @@ def profiled_run(engine, prompts, new_tokens: int, args, tag: str):
 
 
 def per_step(short: dict, long: dict, steps: int) -> dict[str, tuple[float, float]]:
-    """name -> (ms per decode step, calls per step) from the two runs' difference."""
+    """name -> (ms per decode step, launches per step) from the two runs' difference."""
     out = {}
     for name in long.keys() | short.keys():
         (s_long, n_long), (s_short, n_short) = long.get(name, (0, 0)), short.get(name, (0, 0))

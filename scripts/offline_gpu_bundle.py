@@ -18,7 +18,7 @@ declares (cuda-tile, nccl4py, nvidia-cudnn-frontend, nvidia-cutlass-dsl, ...) ar
 needed for that.
 
 ``--models``: ``OUT_DIR/models/<name>.safetensors.xz``, the shipped demo checkpoints'
-weights (62 MiB raw, 42 MiB packed), which gpu_check.sh restores into
+weights (60 MiB raw, 42 MiB packed), which gpu_check.sh restores into
 ``examples/models/<name>/`` where they are missing: for a copy of the repository that
 must leave the raw files out to fit.
 """
