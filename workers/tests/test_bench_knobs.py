@@ -26,12 +26,12 @@ from specd.workers.speculative.forced_accept import forced_accept
 from specd.workers.speculative.tree import DraftTree
 from specd.workers.testing import (
     check_exact_run,
+    check_leak_free,
     collect,
     hf_greedy,
     metric_value,
     random_prompts,
     run_all,
-    wait_idle,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,13 +71,6 @@ def knob_engine(
     engine = Engine(spec_for_model(target, **fields), device=device, knobs=knobs)
     engine.start()
     return engine
-
-
-def check_leak_free(engine):
-    assert wait_idle(engine)
-    assert engine.status()["healthy"], engine.status()["last_error"]
-    assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
-    assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
 
 
 # -- dummy weights ------------------------------------------------------------------------

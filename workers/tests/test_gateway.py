@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -32,7 +33,7 @@ from specd.workers.api_keys import ApiKeys
 from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.pool import PoolController
-from specd.workers.testing import in_loop, running_gateway
+from specd.workers.testing import DEMO_TARGET, in_loop, running_gateway, with_thinking_tags
 from specd.workers.tools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
@@ -837,8 +838,9 @@ def test_auto_tool_choice_follows_the_configured_parser_without_a_roll(gateway):
 def test_reasoning_parser_set_live_splits_chat_output(gateway):
     """``spec.reasoning.parser`` set live (nothing rolls): deepseek_r1 thinks first, so a
     random model's output that never closes its thinking is all ``reasoning_content``,
-    streamed alike; a request held to a grammar cannot think, so its JSON is content;
-    qwen3 without a <think> opening leaves it all content."""
+    streamed alike; a request held to a grammar cannot think with this tokenizer (no
+    single-token <think>), so its JSON is content; qwen3 without a <think> opening
+    leaves it all content."""
     pool = gateway.pool
     old, names = pool.spec, {r.name for r in pool.ready()}
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
@@ -867,6 +869,42 @@ def test_reasoning_parser_set_live_splits_chat_output(gateway):
         assert pool.converged() and {r.name for r in pool.ready()} == names  # nothing rolled
     finally:
         in_loop(gateway, pool.update_spec, old)
+
+
+def test_structured_output_waits_for_the_thinking(serve_gateway, tmp_path_factory):
+    """A tokenizer with single-token <think> and </think> (the demo target, two entries
+    renamed): under deepseek_r1 a request held to a schema thinks first, unguided (its
+    reasoning is the free request's), and only its answer follows the schema; a bias on
+    </think> ends the thinking at once, and the answer validates, streamed alike."""
+    folder = with_thinking_tags(DEMO_TARGET, tmp_path_factory.mktemp("gw-thinker"))
+    spec = spec_for_model(
+        str(folder), model={"name": "thinker"}, resources={"cpu": 0.5},
+        reasoning={"parser": "deepseek_r1"},
+    )  # fmt: skip
+    gw = serve_gateway(spec, "gwthink")
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"mood": {"enum": ["calm", "busy"]}, "ok": {"type": "boolean"}},
+        "required": ["mood", "ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": schema}}
+    ask = dict(model="thinker", messages=[{"role": "user", "content": "How are you?"}])
+    ask |= {"temperature": 0, "max_tokens": 48}
+    free = client.chat.completions.create(**ask).choices[0].message
+    held = client.chat.completions.create(**ask, response_format=fmt).choices[0].message
+    thought = getattr(held, "reasoning_content", None)
+    assert thought and thought == getattr(free, "reasoning_content", None)
+    if held.content is not None:  # the demo model closed its thinking by itself
+        jsonschema.validate(json.loads(held.content), schema)
+    end = str(8191)  # </think>: the last vocabulary entry, renamed
+    quick = dict(**ask, response_format=fmt, logit_bias={end: 30})
+    answered = client.chat.completions.create(**quick).choices[0].message
+    assert not getattr(answered, "reasoning_content", None)
+    jsonschema.validate(json.loads(answered.content), schema)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**quick, stream=True)]
+    assert "".join(d.content or "" for d in deltas if d) == answered.content
 
 
 def aborts(http) -> float:

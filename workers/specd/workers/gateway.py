@@ -64,6 +64,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specd.workers.api_keys import ApiKeys, RequireApiKey, bearer_token
 from specd.workers.config import DeploymentSpec, ray_namespace
+from specd.workers.engine.thinking_gate import thinking_tag_ids
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
 from specd.workers.model.tokenizer import (
@@ -317,6 +318,7 @@ class _Api:
         self._unplaced: OrderedDict[str, bool] = OrderedDict()  # opened here, no turn yet
         self._token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
         self._special_ids = frozenset(tokenizer.all_special_ids)  # left out of the text
+        self._has_thinking_tags = thinking_tag_ids(tokenizer) is not None
 
     def logprobs_of(self, delta: GenerateDelta) -> list[RenderedLogprob] | None:
         """``delta``'s log-probs with token texts, or None if the request asked for none."""
@@ -396,11 +398,13 @@ class _Api:
         self, body: ChatCompletionRequest, prompt: Sequence[int]
     ) -> tuple[ReasoningParser | None, str]:
         """``spec.reasoning``'s parser for ``body`` and the end of its prompt (which may
-        open the thinking block); none for a request held to a grammar from its first
-        token (structured output, a forced tool call), which cannot think."""
+        open the thinking block).  A request held to a grammar (structured output, a
+        forced tool call) thinks first too when the tokenizer has single-token <think>
+        and </think>, since the grammar can then wait for the thinking to end; without
+        them the grammar holds from the first token, so it gets no parser."""
         name = self.pool.spec.reasoning.parser
         forced = body.tool_choice_name() not in (None, "auto") or output_constraints(vars(body))
-        if name is None or forced:
+        if name is None or (forced and not self._has_thinking_tags):
             return None, ""
         return PARSERS[name], self.tokenizer.decode(prompt[-_PROMPT_TAIL_TOKENS:])
 
@@ -500,9 +504,13 @@ class _Api:
         prompt_ids: list[int],
         default_max_tokens: int,
         tool_parser: str | None = None,
+        grammar_thinking: str | None = None,
     ) -> Response:
+        """``grammar_thinking``: a grammar waits for the thinking (``Grammar.thinking``)."""
         rid = fmt.id_prefix + uuid.uuid4().hex
         params = body.sampling_params(default_max_tokens, self.sampling_defaults(), tool_parser)
+        if grammar_thinking is not None and params.grammar is not None:
+            params = replace(params, grammar=replace(params.grammar, thinking=grammar_thinking))
         req = GenerateRequest(rid, tuple(prompt_ids), params, priority=body.priority)
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
@@ -777,8 +785,12 @@ def build_app(
                 '"required", a named function or "none"',
                 "tool_choice",
             )
-        fmt = ChatFormat(choice, parser, *api.reasoning_for(body, prompt))
-        return await api.generate(request, body, fmt, prompt, default_max_tokens, parser)
+        reasoning, prompt_tail = api.reasoning_for(body, prompt)
+        fmt = ChatFormat(choice, parser, reasoning, prompt_tail)
+        thinking = None if reasoning is None else reasoning.grammar_waits(prompt_tail)
+        return await api.generate(
+            request, body, fmt, prompt, default_max_tokens, parser, grammar_thinking=thinking
+        )
 
     stored = ResponseStore()
 

@@ -12,8 +12,10 @@ tool calls are then looked for).  Families (`PARSERS`):
   turns it off): the output is reasoning up to ``</think>`` only if it opens with
   ``<think>`` or the prompt ended with it; otherwise it is all content.
 
-A request held to a grammar (structured output, a forced tool call) is never split:
-the grammar holds from the first token, so it has no thinking.
+A request held to a grammar (structured output, a forced tool call) thinks first too
+when the model's tokenizer spells ``<think>`` and ``</think>`` as single tokens: the
+grammar waits for the thinking to end (``engine/thinking_gate.py``).  Otherwise the
+grammar holds from the first token, so the output has no thinking and is not split.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class ReasoningParser:
         if self.always_thinks or prompt_tail.rstrip().endswith(START):
             return True
         return None
+
+    def grammar_waits(self, prompt_tail: str) -> str:
+        """How a grammar waits for this output's thinking (``Grammar.thinking``): "first"
+        when it begins inside the thinking block, "optional" when its first token
+        decides."""
+        return "first" if self.starts_in_reasoning(prompt_tail) else "optional"
 
     def split(self, text: str, prompt_tail: str = "") -> tuple[str | None, str | None]:
         """A whole output -> (reasoning, content); None for a part that is empty."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import random
 import threading
 import time
@@ -80,6 +81,34 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
 
 
 TEST_GPU_KV_TOKENS = 16384
+
+
+def with_thinking_tags(model_path, out_dir) -> Path:
+    """A copy of ``model_path`` whose tokenizer spells its last two vocabulary entries
+    ``<think>`` and ``</think>`` (single tokens, as a thinking model's), weights linked."""
+    src, out = Path(model_path), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name != "tokenizer.json":
+            (out / item.name).symlink_to(item.resolve())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    last = max(by_id)
+    renamed = {by_id[last - 1]: "<think>", by_id[last]: "</think>"}
+    for old, tag in renamed.items():
+        vocab[tag] = vocab.pop(old)
+        tok["added_tokens"].append(
+            {"id": vocab[tag], "content": tag, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": False}
+        )  # fmt: skip
+
+    def merged(merge) -> str:  # "a b" or ["a", "b"] -> "ab"
+        return (merge if isinstance(merge, str) else " ".join(merge)).replace(" ", "")
+
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"] if merged(m) not in renamed]
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return out
 
 
 def bounded_kv_cache(kv_cache: dict) -> dict:
@@ -204,6 +233,14 @@ def hf_greedy(model_path, prompts, max_new_tokens):
 def random_prompts(n, vocab, seed=0, lo=3, hi=40):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def check_leak_free(engine: Engine) -> None:
+    """The engine went idle healthy, and its strict leak checks ran and never failed."""
+    assert wait_idle(engine)
+    assert engine.status()["healthy"], engine.status()["last_error"]
+    assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
+    assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
 
 
 def metric_value(engine: Engine, name: str, **labels: str) -> float:

@@ -16,7 +16,8 @@ processors' counts are, so it is current under overlap.
 Drafts are guided by the same grammar (``speculative/guided_draft.py``), which only
 raises acceptance: the masked target decides what is emitted.  Once the
 matcher accepted a stop token (EOS or a ``stop_token_ids`` id) its rows stay open: the
-request ends on that token.
+request ends on that token.  On a thinking model the grammar may wait for the thinking
+block to end (``Grammar.thinking``, ``thinking_gate.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from specd.workers.engine.thinking_gate import ThinkingGate, thinking_tag_ids
 from specd.workers.engine.types import Grammar, InvalidRequest, SamplingParams
 from specd.workers.scheduler.stop import stop_token_ids
 
@@ -66,6 +68,8 @@ def check_grammar_params(params: SamplingParams) -> None:
         raise InvalidRequest(
             f"{g.field}: unknown grammar kind {g.kind!r} ({', '.join(GRAMMAR_KINDS)})"
         )
+    if g.thinking not in (None, "first", "optional"):
+        raise InvalidRequest(f"{g.field}: thinking must be first, optional or None")
     if params.ignore_eos:
         raise InvalidRequest(
             f"ignore_eos: cannot be combined with {g.field} (the grammar ends the output "
@@ -86,7 +90,7 @@ class GrammarState:
     tree rows are mostly the paths its draft loop already masked, and a fill costs far
     more than a copy."""
 
-    matcher: xgr.GrammarMatcher
+    matcher: xgr.GrammarMatcher | ThinkingGate
     vocab_size: int
     _rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -218,9 +222,17 @@ class Grammars:
             raise InvalidRequest(f"{grammar.field}: {xgrammar_message(err)}") from err
 
     def state_for(self, params: SamplingParams) -> GrammarState:
-        """A new matcher for ``params.grammar``; the request's stop tokens end it."""
-        compiled = self.compile(params.grammar)
+        """A new matcher for ``params.grammar``; the request's stop tokens end it.  With
+        ``grammar.thinking`` it waits behind a ``ThinkingGate``."""
+        grammar = params.grammar
+        compiled = self.compile(grammar)
         stops = stop_token_ids(params, self.eos_token_ids)
-        return GrammarState(
-            xgr.GrammarMatcher(compiled, override_stop_tokens=stops), self.vocab_size
-        )
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+        if grammar.thinking is not None:
+            if (tags := thinking_tag_ids(self.tokenizer)) is None:
+                raise InvalidRequest(
+                    f"{grammar.field}: this model's tokenizer has no single-token <think> "
+                    "and </think>, so the grammar cannot wait for the thinking to end"
+                )
+            matcher = ThinkingGate(matcher, *tags, thinks_first=grammar.thinking == "first")
+        return GrammarState(matcher, self.vocab_size)

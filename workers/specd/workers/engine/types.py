@@ -21,11 +21,15 @@ class Grammar:
     kind: ``json_object`` (any JSON object), ``json_schema`` (``source``: the schema as JSON
     text), ``regex`` or ``ebnf`` (``source``: the pattern or the grammar), or
     ``structural_tag`` (``source``: xgrammar's structural tag as JSON text).  ``field``:
-    the request field it came from, which errors name."""
+    the request field it came from, which errors name.  ``thinking``: the grammar holds
+    after the model's thinking block (``thinking_gate.py``): ``"first"`` (the output
+    thinks until ``</think>``), ``"optional"`` (it may open with ``<think>``), or None
+    (from the first token)."""
 
     kind: str
     source: str = ""
     field: str = "grammar"
+    thinking: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
