@@ -80,9 +80,6 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
     assert not thread.is_alive(), "a gateway did not stop"
 
 
-TEST_GPU_KV_TOKENS = 16384
-
-
 def with_thinking_tags(model_path, out_dir) -> Path:
     """A copy of ``model_path`` whose tokenizer spells its last two vocabulary entries
     ``<think>`` and ``</think>`` (single tokens, as a thinking model's), weights linked."""
@@ -109,6 +106,9 @@ def with_thinking_tags(model_path, out_dir) -> Path:
     tok["model"]["merges"] = [m for m in tok["model"]["merges"] if merged(m) not in renamed]
     (out / "tokenizer.json").write_text(json.dumps(tok))
     return out
+
+
+TEST_GPU_KV_TOKENS = 16384
 
 
 def bounded_kv_cache(kv_cache: dict) -> dict:
