@@ -1077,6 +1077,51 @@ def test_api_keys_guard_the_openai_endpoints_and_rotate_live(ray_cluster, model_
         assert sum(v for _, v in counts) == 5
 
 
+def test_rate_limits_per_api_key_apply_live(ray_cluster, model_dir):
+    """``spec.auth.requestsPerMinute``: each key gets a burst of the limit, then OpenAI's
+    429 with Retry-After (the OpenAI client raises RateLimitError), counted; another key
+    and the open paths are not held back; a limit lifted live lets the key through."""
+    auth = {"requestsPerMinute": 2}
+    spec = spec_for_model(
+        model_dir, replicas=1, model={"name": MODEL}, resources={"cpu": 0.5}, auth=auth
+    )
+    keys = ApiKeys(("a", "b"))
+    with (
+        running_gateway(spec, "limited", api_keys=keys) as gw,
+        httpx.Client(base_url=gw.url, timeout=60) as http,
+    ):
+
+        def models(key):
+            return http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+
+        first, second, third = models("a"), models("a"), models("a")
+        assert [r.status_code for r in (first, second, third)] == [200, 200, 429]
+        assert first.headers["x-ratelimit-limit-requests"] == "2"
+        assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, second)] == ["1", "0"]
+        assert 1 <= int(third.headers["retry-after"]) <= 30
+        error = third.json()["error"]
+        assert error["code"] == 429 and error["type"] == "rate_limit_exceeded"
+        assert "spec.auth.requestsPerMinute" in error["message"]
+        assert models("b").status_code == 200 and http.get("/health").status_code == 200
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{gw.url}/v1", api_key="a", max_retries=0).models.list()
+        counted = [
+            s.value
+            for f in text_string_to_metric_families(http.get("/metrics").text)
+            for s in f.samples
+            if s.name == "specd_gateway_requests_total" and s.labels["code"] == "429"
+        ]
+        assert sum(counted) == 2
+        lifted = gw.pool.spec.model_copy(
+            update={"auth": gw.pool.spec.auth.model_copy(update={"requests_per_minute": None})}
+        )
+        in_loop(gw, gw.pool.update_spec, lifted)
+        assert (
+            models("a").status_code == 200
+            and "x-ratelimit-limit-requests" not in models("a").headers
+        )
+
+
 # -- failures and updates (slow) ----------------------------------------------------------
 
 

@@ -108,21 +108,23 @@ class RequireApiKey:
 
 
 async def _unauthorized(send: Callable, presented: bool) -> None:
-    from specd.workers.openai_protocol import error_body  # torch: not for the CLI's import
-
     message = (
         "invalid API key" if presented else "missing API key"
     ) + ": send 'Authorization: Bearer <key>' (OpenAI clients: api_key=<key>)"
-    body = error_body(401, message).model_dump_json().encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        }
-    )
+    await send_error(send, 401, message, [(b"www-authenticate", b"Bearer")])
+
+
+async def send_error(
+    send: Callable, status: int, message: str, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """Answer an ASGI request with OpenAI's error object for ``status``."""
+    from specd.workers.openai_protocol import error_body  # torch: not for the CLI's import
+
+    body = error_body(status, message).model_dump_json().encode()
+    start_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *headers,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": start_headers})
     await send({"type": "http.response.body", "body": body})

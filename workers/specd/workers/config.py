@@ -414,6 +414,13 @@ class AuthSpec(_Spec):
         "'Authorization: Bearer <key>'; the gateway reads changes live. specd serve: "
         "set SPECD_API_KEY or SPECD_API_KEY_FILE instead",
     )
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Requests each API key may start a minute on the OpenAI endpoints "
+        "(bursts up to this many; all clients together when there are no keys); over it: "
+        "429 with Retry-After",
+    )
 
 
 class ResourcesSpec(_Spec):

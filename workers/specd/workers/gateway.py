@@ -101,6 +101,7 @@ from specd.workers.pool import (
     ReplicaState,
     replica_of_actor,
 )
+from specd.workers.rate_limits import LimitRequestRate, RateLimits
 from specd.workers.reasoning import PARSERS, ReasoningParser
 from specd.workers.responses_api import (
     InvalidItem,
@@ -725,6 +726,8 @@ def build_app(
     api = _Api(pool, tokenizer)
     release: asyncio.Future[list[str]] | None = None
     metrics = GatewayMetrics()
+    limits = RateLimits(lambda: pool.spec.auth.requests_per_minute)
+    app.add_middleware(LimitRequestRate, limits=limits)  # innermost: after the key check
     if api_keys is not None and api_keys.enabled:
         app.add_middleware(RequireApiKey, keys=api_keys)  # inside CountRequests: 401s count
     app.add_middleware(CountRequests, metrics=metrics)

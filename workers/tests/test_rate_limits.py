@@ -1,0 +1,63 @@
+"""Request rate limits per API key (`rate_limits.RateLimits`): a burst of the limit,
+then the refill rate, one bucket per key, the limit read live, keys kept only hashed."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.workers.rate_limits import RateLimits, rate_headers
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_of_the_limit_then_the_refill_rate():
+    clock, limit = Clock(), {"n": 3}
+    limits = RateLimits(lambda: limit["n"], clock)
+    verdicts = [limits.take("a") for _ in range(4)]
+    assert [v.allowed for v in verdicts] == [True, True, True, False]
+    assert [v.remaining for v in verdicts] == [2, 1, 0, 0]
+    assert verdicts[3].reset_s == pytest.approx(20.0)  # 3 a minute: one every 20 s
+    assert verdicts[2].reset_s == pytest.approx(60.0)  # empty: full again in a minute
+    clock.now += 19.0
+    assert not limits.take("a").allowed
+    clock.now += 1.0
+    assert limits.take("a").allowed and not limits.take("a").allowed
+    clock.now += 3600.0  # an idle hour refills up to the limit, no further
+    assert [limits.take("a").allowed for _ in range(4)] == [True, True, True, False]
+
+
+def test_each_key_has_its_own_bucket_kept_hashed():
+    limits = RateLimits(lambda: 1, Clock())
+    assert limits.take("a").allowed and not limits.take("a").allowed
+    assert limits.take("b").allowed and limits.take("").allowed
+    assert not {"a", "b"} & set(limits._buckets)
+    assert all(len(k) == 64 for k in limits._buckets)  # sha256 hex digests
+
+
+def test_the_limit_is_read_live():
+    limit = {"n": None}
+    limits = RateLimits(lambda: limit["n"], Clock())
+    assert limits.take("a") is None  # no limit: nothing counted
+    limit["n"] = 2
+    assert [limits.take("a").allowed for _ in range(3)] == [True, True, False]
+    limit["n"] = 1  # lowered: the bucket holds no more than the new limit
+    assert not limits.take("a").allowed
+    limit["n"] = None
+    assert limits.take("a") is None
+
+
+def test_openai_rate_limit_headers():
+    limits = RateLimits(lambda: 1, Clock())
+    allowed, refused = limits.take("k"), limits.take("k")
+    assert dict(rate_headers(allowed)) == {
+        b"x-ratelimit-limit-requests": b"1",
+        b"x-ratelimit-remaining-requests": b"0",
+        b"x-ratelimit-reset-requests": b"60.000s",
+    }
+    assert dict(rate_headers(refused))[b"retry-after"] == b"60"
