@@ -1,11 +1,14 @@
 """Request rate limits per API key (`rate_limits.RateLimits`): a burst of the limit,
-then the refill rate, one bucket per key, the limit read live, keys kept only hashed."""
+then the refill rate, one bucket per key, the limit read live, keys kept only hashed;
+the middleware (one shared bucket without API keys, open paths untouched)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from specd.workers.rate_limits import RateLimits, rate_headers
+from specd.workers.rate_limits import LimitRequestRate, RateLimits, rate_headers
 
 
 class Clock:
@@ -61,3 +64,30 @@ def test_openai_rate_limit_headers():
         b"x-ratelimit-reset-requests": b"60.000s",
     }
     assert dict(rate_headers(refused))[b"retry-after"] == b"60"
+
+
+def answers(per_key: bool, bearers: list[str], path: str = "/v1/models") -> list[int]:
+    """Status codes of requests with these bearers through the middleware (limit 1)."""
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = LimitRequestRate(ok, RateLimits(lambda: 1, Clock()), per_key=per_key)
+    statuses = []
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    for bearer in bearers:
+        headers = [(b"authorization", f"Bearer {bearer}".encode())]
+        scope = {"type": "http", "path": path, "headers": headers}
+        asyncio.run(middleware(scope, None, send))
+    return statuses
+
+
+def test_without_keys_every_client_shares_one_bucket():
+    assert answers(per_key=True, bearers=["a", "b", "a"]) == [200, 200, 429]
+    assert answers(per_key=False, bearers=["a", "made-up", "another"]) == [200, 429, 429]
+    assert answers(per_key=False, bearers=["a", "a"], path="/health") == [200, 200]

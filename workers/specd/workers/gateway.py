@@ -727,8 +727,9 @@ def build_app(
     release: asyncio.Future[list[str]] | None = None
     metrics = GatewayMetrics()
     limits = RateLimits(lambda: pool.spec.auth.requests_per_minute)
-    app.add_middleware(LimitRequestRate, limits=limits)  # innermost: after the key check
-    if api_keys is not None and api_keys.enabled:
+    keyed = api_keys is not None and api_keys.enabled
+    app.add_middleware(LimitRequestRate, limits=limits, per_key=keyed)  # after the key check
+    if keyed:
         app.add_middleware(RequireApiKey, keys=api_keys)  # inside CountRequests: 401s count
     app.add_middleware(CountRequests, metrics=metrics)
     app.state.metrics = metrics

@@ -81,15 +81,17 @@ class LimitRequestRate:
     """ASGI middleware: a request to a guarded path over its key's limit gets a 429; the
     others pass with the rate-limit headers added to their answer."""
 
-    def __init__(self, app: Any, limits: RateLimits):
-        self.app, self.limits = app, limits
+    def __init__(self, app: Any, limits: RateLimits, per_key: bool):
+        self.app, self.limits, self.per_key = app, limits, per_key  # False: one bucket
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or not needs_key(scope["path"]):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or ())
-        key = bearer_token(headers.get(b"authorization", b"").decode("latin-1")) or ""
+        key = ""  # without API keys a made-up bearer must not buy a bucket of its own
+        if self.per_key:
+            headers = dict(scope.get("headers") or ())
+            key = bearer_token(headers.get(b"authorization", b"").decode("latin-1")) or ""
         verdict = self.limits.take(key.strip())
         if verdict is None:
             await self.app(scope, receive, send)
