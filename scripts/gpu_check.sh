@@ -19,18 +19,7 @@ shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
 site=/tmp/specd-site  # the bundle's packages, unpacked once per host: later runs reuse them
 if [[ -n "${SPECD_BUNDLE:-}" ]]; then
-  python3 - "$SPECD_BUNDLE" "$site" <<'PY' || exit
-import lzma, shutil, sys, tarfile
-from pathlib import Path
-bundle, site = Path(sys.argv[1]), sys.argv[2]
-tarfile.open(bundle / "site.tar.xz").extractall(site, filter="data")
-for packed in sorted((bundle / "models").glob("*.safetensors.xz")):
-    weights = Path("examples/models") / packed.name.split(".")[0] / "model.safetensors"
-    if not weights.exists():
-        with lzma.open(packed) as src, weights.open("wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 24)
-        print(f"restored {weights}")
-PY
+  python3 scripts/offline_gpu_bundle.py "$SPECD_BUNDLE" --unpack-to "$site" || exit
 fi
 [[ -d "$site" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import specd.workers' 2>/dev/null || export PYTHONPATH="workers:kernels${PYTHONPATH:+:$PYTHONPATH}"

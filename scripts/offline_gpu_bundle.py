@@ -4,6 +4,7 @@ PyTorch and Triton (a stock PyTorch image), small enough for a size-limited copy
     python scripts/offline_gpu_bundle.py OUT_DIR [--no-flashinfer] [--models]
         [--python-version 3.12]
     # on the host:  SPECD_BUNDLE=OUT_DIR bash scripts/gpu_check.sh tests
+    # (which runs: python scripts/offline_gpu_bundle.py OUT_DIR --unpack-to SITE)
 
 ``OUT_DIR/site.tar.xz``: the wheels such an image lacks (pydantic and its parts, xgrammar
 and apache-tvm-ffi, jsonschema and its parts for the structured-output tests, a recent
@@ -179,13 +180,34 @@ def pack_models(out: Path) -> list[Path]:
     return packed
 
 
+def unpack(bundle: Path, site: Path) -> list[Path]:
+    """On the host: ``bundle``'s site folder into ``site``, and its packed weights into
+    the checkpoints of ``examples/models/`` that lack them; returns the weights restored."""
+    with tarfile.open(bundle / "site.tar.xz") as tar:
+        tar.extractall(site, filter="data")
+    restored = []
+    for packed in sorted((bundle / "models").glob("*.safetensors.xz")):
+        name = packed.name.removesuffix(".safetensors.xz")
+        weights = REPO / "examples" / "models" / name / "model.safetensors"
+        if not weights.exists():
+            with lzma.open(packed) as src, weights.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+            restored.append(weights)
+    return restored
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--no-flashinfer", action="store_true", help="Triton backend only")
     ap.add_argument("--models", action="store_true", help="also the demo weights, packed")
     ap.add_argument("--python-version", default="3.12", help="the host's Python")
+    ap.add_argument("--unpack-to", type=Path, help="on the host: unpack the bundle OUT here")
     args = ap.parse_args()
+    if args.unpack_to is not None:
+        for weights in unpack(args.out, args.unpack_to):
+            print(f"restored {weights}")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     files = [pack_site(args.out, BASE + ([] if args.no_flashinfer else FLASHINFER),
                        args.python_version)]  # fmt: skip

@@ -1,9 +1,11 @@
 """scripts/offline_gpu_bundle.py: the trimmed flashinfer keeps the modules ``import
 flashinfer`` loads, its JIT package and the sources the attention modules are built from,
-and drops the rest; the demo weights pack and unpack bit for bit."""
+and drops the rest; the demo weights pack and unpack bit for bit, and the host side
+restores only what is missing."""
 
 import importlib.util
 import lzma
+import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_gpu_bundle.py"
@@ -65,7 +67,7 @@ def test_module_level_imports_resolve_relative_names():
     assert imports == {"pkg.jit", "pkg.jit.env", "os"}
 
 
-def test_demo_weights_pack_losslessly(tmp_path, monkeypatch):
+def test_demo_weights_pack_losslessly_and_unpack_where_missing(tmp_path, monkeypatch):
     script = _script()
     models = tmp_path / "repo" / "examples" / "models"
     (models / "tiny").mkdir(parents=True)
@@ -75,3 +77,14 @@ def test_demo_weights_pack_losslessly(tmp_path, monkeypatch):
     [packed] = script.pack_models(tmp_path / "out")
     assert packed.name == "tiny.safetensors.xz" and packed.stat().st_size < len(weights)
     assert lzma.decompress(packed.read_bytes()) == weights
+    # on the host: the site folder unpacked, missing weights restored, present ones kept
+    (tmp_path / "site-src" / "pkg").mkdir(parents=True)
+    (tmp_path / "site-src" / "pkg" / "__init__.py").write_text("x = 1\n")
+    with tarfile.open(tmp_path / "out" / "site.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "site-src", arcname=".")
+    target = models / "tiny" / "model.safetensors"
+    target.unlink()
+    assert script.unpack(tmp_path / "out", tmp_path / "site") == [target]
+    assert target.read_bytes() == weights
+    assert (tmp_path / "site" / "pkg" / "__init__.py").read_text() == "x = 1\n"
+    assert script.unpack(tmp_path / "out", tmp_path / "site") == []
