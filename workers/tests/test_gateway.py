@@ -27,10 +27,12 @@ import pydantic
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 import specd
 from specd.workers.api_keys import ApiKeys
 from specd.workers.config import spec_for_model
+from specd.workers.engine.thinking_gate import thinking_tag_ids
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.pool import PoolController
 from specd.workers.testing import DEMO_TARGET, in_loop, running_gateway, with_thinking_tags
@@ -898,7 +900,7 @@ def test_structured_output_waits_for_the_thinking(serve_gateway, tmp_path_factor
     assert thought and thought == getattr(free, "reasoning_content", None)
     if held.content is not None:  # the demo model closed its thinking by itself
         jsonschema.validate(json.loads(held.content), schema)
-    end = str(8191)  # </think>: the last vocabulary entry, renamed
+    end = str(thinking_tag_ids(AutoTokenizer.from_pretrained(folder))[1])  # </think>
     quick = dict(**ask, response_format=fmt, logit_bias={end: 30})
     answered = client.chat.completions.create(**quick).choices[0].message
     assert not getattr(answered, "reasoning_content", None)

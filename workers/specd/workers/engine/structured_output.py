@@ -22,6 +22,7 @@ block to end (``Grammar.thinking``, ``thinking_gate.py``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -206,6 +207,11 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILE_CACHE_BYTES)
             return self._compiler
 
+    @functools.cached_property
+    def thinking_tags(self) -> tuple[int, int] | None:
+        """The tokenizer's ``<think>`` and ``</think>`` ids (``thinking_tag_ids``), read once."""
+        return thinking_tag_ids(self.tokenizer)
+
     def compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         """The compiled grammar (``InvalidRequest`` naming the field when it is bad).
         Blocking: compiling a large schema takes milliseconds to seconds."""
@@ -229,7 +235,7 @@ class Grammars:
         stops = stop_token_ids(params, self.eos_token_ids)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
         if grammar.thinking is not None:
-            if (tags := thinking_tag_ids(self.tokenizer)) is None:
+            if (tags := self.thinking_tags) is None:
                 raise InvalidRequest(
                     f"{grammar.field}: this model's tokenizer has no single-token <think> "
                     "and </think>, so the grammar cannot wait for the thinking to end"
