@@ -5,13 +5,15 @@ operator's Deployment describes (`specd gateway --config <mounted ConfigMap>`), 
 local cluster, the SDD's ``spec.ray.address``), the engine actors with the shipped demo
 pair, the official ``openai`` client and ``kubectl``.  Stand-ins: the API server (the
 kmock fake of `specd.operator.testing`) and the two controllers it lacks, played by
-`Kubelet` (runs the gateway container's command, refreshes the mounted ConfigMap,
-restarts the pod on request, stops the process when its Deployment goes) — the same
+`Kubelet` (runs the gateway container's command with its env, refreshes the mounted
+ConfigMap and admin token Secret, restarts the pod on request, stops the process when
+its Deployment goes) — the same
 things kubelet and the Deployment controller do.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -41,6 +43,13 @@ from specd.workers.config import SpecDecodeDeployment, ray_namespace
 pytestmark = pytest.mark.slow
 
 NAME = "demo"
+# the gateway pod's credentials come from its own env (volumes), never this process's
+POD_ONLY_ENV = {
+    "SPECD_ADMIN_TOKEN",
+    "SPECD_ADMIN_TOKEN_FILE",
+    "SPECD_API_KEY",
+    "SPECD_API_KEY_FILE",
+}
 MODELS = REPO / "examples" / "models"
 
 
@@ -51,8 +60,9 @@ def _source_roots() -> str:
 
 class Kubelet:
     """Runs each gateway Deployment's container as a local process, the way a kubelet
-    would run its pod: the ConfigMap volume is a directory kept in sync with the
-    ConfigMap, and the process gets SIGTERM when the Deployment is deleted.
+    would run its pod: each volume (the ConfigMap, the admin token Secret) is a directory
+    kept in sync with its object, the pod starts once they all exist, and the process
+    gets SIGTERM when the Deployment is deleted.
 
     The container's command joins the Ray cluster (``ray start``) and then execs the
     gateway; this machine is already a node of that cluster, so only the gateway part
@@ -92,24 +102,33 @@ class Kubelet:
         while not self._stop.is_set():
             live = {d["metadata"]["name"]: d for d in self.cluster.live(self.cluster.deployments)}
             for name, deployment in live.items():
-                self._sync_volume(name, deployment)
-                if name not in self.procs:
+                mounted = self._sync_volumes(name, deployment)
+                if name not in self.procs and mounted:
                     self._start(name, deployment)
             for name in [n for n in self.procs if n not in live or n in self._restarts]:
                 self._restarts.discard(name)
                 self._terminate(name)
             time.sleep(0.2)
 
-    def _sync_volume(self, name: str, deployment: dict[str, Any]) -> None:
-        pod = deployment["spec"]["template"]["spec"]
-        (volume,) = pod["volumes"]
-        cm = self.cluster.get(self.cluster.configmaps, volume["configMap"]["name"])
-        directory = self.workdir / name
-        directory.mkdir(exist_ok=True)
-        for key, value in (cm or {}).get("data", {}).items():
-            path = directory / key
-            if not path.exists() or path.read_text() != value:
-                path.write_text(value)
+    def _sync_volumes(self, name: str, deployment: dict[str, Any]) -> bool:
+        """Each volume's files under ``workdir/<deployment>/<volume>``; whether every
+        volume's object exists (a kubelet starts the pod only then)."""
+        mounted = True
+        for volume in deployment["spec"]["template"]["spec"]["volumes"]:
+            if "configMap" in volume:
+                cm = self.cluster.get(self.cluster.configmaps, volume["configMap"]["name"])
+                files = None if cm is None else cm.get("data", {})
+            else:
+                secret = self.cluster.get(self.cluster.secrets, volume["secret"]["secretName"])
+                files = None if secret is None else _secret_files(secret, volume["secret"])
+            mounted = mounted and files is not None
+            directory = self.workdir / name / volume["name"]
+            directory.mkdir(parents=True, exist_ok=True)
+            for key, value in (files or {}).items():
+                path = directory / key
+                if not path.exists() or path.read_text() != value:
+                    path.write_text(value)
+        return mounted
 
     def _start(self, name: str, deployment: dict[str, Any]) -> None:
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -120,14 +139,22 @@ class Kubelet:
         argv = shlex.split(run)
         assert argv[:4] == ["RAY_ADDRESS=auto", "exec", "specd", "gateway"], argv
         args = argv[4:]
-        mount = container["volumeMounts"][0]["mountPath"]
+        pod_dir = self.workdir / name
+        mounts = {m["mountPath"]: pod_dir / m["name"] for m in container["volumeMounts"]}
+
+        def here(path: str) -> str:  # a path in the pod -> its volume's local directory
+            for mount, directory in mounts.items():
+                if path.startswith(f"{mount}/"):
+                    return str(directory) + path[len(mount) :]
+            return path
+
         port = free_port()
-        args[args.index("--config") + 1] = args[args.index("--config") + 1].replace(
-            mount, str(self.workdir / name)
-        )
+        args[args.index("--config") + 1] = here(args[args.index("--config") + 1])
         args[args.index("--host") + 1] = "127.0.0.1"
         args[args.index("--port") + 1] = str(port)
-        env = {**os.environ, "RAY_ADDRESS": self.ray_address, "PYTHONPATH": _source_roots()}
+        env = {k: v for k, v in os.environ.items() if k not in POD_ONLY_ENV}
+        env.update({e["name"]: here(e["value"]) for e in container.get("env", [])})
+        env.update(RAY_ADDRESS=self.ray_address, PYTHONPATH=_source_roots())
         self.logs[name] = self.workdir / f"{name}.log"
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "specd.workers.cli", "gateway", *args],
@@ -152,6 +179,12 @@ class Kubelet:
     def log(self, name: str) -> str:
         path = self.logs.get(name)
         return path.read_text()[-4000:] if path and path.exists() else ""
+
+
+def _secret_files(secret: dict[str, Any], source: dict[str, Any]) -> dict[str, str]:
+    """A Secret volume's files: each item's key, decoded, at its path."""
+    data = secret.get("data", {})
+    return {i["path"]: base64.b64decode(data[i["key"]]).decode() for i in source["items"]}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ def test_operator_children_validate(example, validate_doc):
     owner = Owner(sdd.metadata.name, "default", "0b7e7a52-1c1e-4a49-9f0c-2f7d7b1f6d11")
     docs = [
         children.build_configmap(sdd, owner),
+        children.build_admin_secret(owner, "t0ken"),
         children.build_gateway_deployment(sdd, owner, ChildOptions()),
         children.build_service(owner),
         children.build_servicemonitor(sdd, owner),

@@ -89,10 +89,12 @@ def test_rbac_off_renders_no_roles(render):
 
 def test_table_covers_every_kind_the_client_writes():
     """Every resource `KubeClient` can address has get/create/patch in the table
-    (Events: create only, the client only posts them)."""
+    (Events: create only, the client only posts them; Secrets: get and create only,
+    the admin token is never patched)."""
     table = {p.resource: set(p.verbs) for p in rbac.NAMESPACED}
     assert table["events"] == {"create"}
-    for plural in set(kube.PLURALS.values()) - {"events"}:
+    assert table["secrets"] == {"get", "create"}
+    for plural in set(kube.PLURALS.values()) - {"events", "secrets"}:
         assert plural in table, plural
         assert {"get", "patch"} <= table[plural]
     children = set(kube.PLURALS.values()) - {"specdecodedeployments", "events"}

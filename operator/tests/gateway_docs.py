@@ -74,8 +74,11 @@ def gateway_doc(
     config_hash: str | None = None,
     events: list[dict[str, Any]] | None = None,
     desired: int | None = None,
+    failure: str | None = None,
+    retired_leaks: int = 0,
 ) -> dict[str, Any]:
-    """``desired``: the autoscaler's count (default ``spec.replicas``)."""
+    """``desired``: the autoscaler's count (default ``spec.replicas``); ``failure``: the
+    load error the pool gave up on (for the current config)."""
     want = config_hash or spec.config_hash()
     ready = [a for a in actors if a["state"] == "ready"]
     desired = spec.replicas if desired is None else desired
@@ -92,5 +95,12 @@ def gateway_doc(
         "actors": actors,
         "routing": {"policy": spec.routing.policy, "routed": {}, "predicted_hit_tokens": 0},
         "autoscaling": None,
+        "failure": None
+        if failure is None
+        else {"config_hash": want, "replica": "r1", "message": failure, "time": time.time()},
+        "replica_deaths": {
+            r: 0 for r in ("engine_error", "load_error", "probe_timeout", "actor_died", "killed")
+        },
+        "retired_leak_check_failures": retired_leaks,
         "events": events or [],
     }

@@ -119,7 +119,7 @@ def test_api_keys_come_from_the_secret_as_a_file_and_probes_stay_open():
     """``spec.auth.apiKeySecret``: the Secret's key is mounted as a file the gateway reads
     (so a rotated Secret applies without a restart), and the probes use the open
     ``/version`` (``/v1`` needs a key).  Turning keys on changes the pod (a restart);
-    without them the pod has no Secret."""
+    without them the pod mounts no Secret but its admin token's."""
     plain = children.build_gateway_deployment(_sdd(), OWNER, ChildOptions())
     keyed = children.build_gateway_deployment(
         _sdd(auth={"apiKeySecret": {"name": "llm-keys", "key": "tokens"}}), OWNER, ChildOptions()
@@ -135,5 +135,30 @@ def test_api_keys_come_from_the_secret_as_a_file_and_probes_stay_open():
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/version"
     (bare,) = plain["spec"]["template"]["spec"]["containers"]
-    assert [e["name"] for e in bare["env"]] == ["SPECD_ADMIN_TOKEN"]
-    assert "secret" not in json.dumps(plain["spec"]["template"])
+    assert [e["name"] for e in bare["env"]] == ["SPECD_ADMIN_TOKEN_FILE"]
+    volumes = plain["spec"]["template"]["spec"]["volumes"]
+    assert [v["secret"]["secretName"] for v in volumes if "secret" in v] == ["m-admin-token"]
+
+
+def test_the_admin_token_comes_from_the_sdds_secret_as_a_file_never_the_uid():
+    """The gateway reads its admin token from a file mounted from the SDD's own Secret
+    (random, owned by the SDD); the SDD's uid, readable by anyone who can read the SDD,
+    appears nowhere in the pod."""
+    secret = children.build_admin_secret(OWNER, "t0ken")
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "m-admin-token"
+    assert secret["metadata"]["ownerReferences"] == [OWNER.reference()]
+    assert children.admin_token_of(secret) == "t0ken" and "t0ken" not in json.dumps(secret)
+    assert children.admin_token_of({"data": {}}) is None
+    keyed, external = {"apiKeySecret": {"name": "llm-keys"}}, {"address": "r:6379"}
+    for sdd in (_sdd(), _sdd(auth=keyed), _sdd(ray=external)):
+        pod = children.build_gateway_deployment(sdd, OWNER, ChildOptions())["spec"]["template"]
+        assert OWNER.uid not in json.dumps(pod)
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert "SPECD_ADMIN_TOKEN" not in env
+        assert env["SPECD_ADMIN_TOKEN_FILE"] == f"{naming.ADMIN_TOKEN_DIR}/token"
+        mount = {"name": "admin-token", "mountPath": naming.ADMIN_TOKEN_DIR, "readOnly": True}
+        assert mount in container["volumeMounts"]
+        items = [{"key": "token", "path": "token"}]
+        volume = {"name": "admin-token", "secret": {"secretName": "m-admin-token", "items": items}}
+        assert volume in pod["spec"]["volumes"]

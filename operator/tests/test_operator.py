@@ -19,7 +19,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.operator.children import ChildOptions
+from specd.operator.children import ChildOptions, admin_token_of
 from specd.operator.reconcile import OperatorContext
 from specd.operator.testing.cluster import free_port, kopf_in_thread
 from specd.workers.config import SpecDecodeDeployment
@@ -329,6 +329,48 @@ def test_an_autoscaled_sdd_leaves_its_workers_to_the_ray_autoscaler(cluster):
         assert sdd(cluster, name)["status"]["ready"] == "4/4"
 
 
+def test_the_admin_token_is_a_secret_mounted_as_a_file_and_never_rotated(cluster):
+    """The gateway's admin token: a random Secret owned by the SDD, created once (the
+    polls' reconciles and a spec change keep it), mounted into the pod as a file.  The
+    SDD's uid, which anyone who can read the SDD sees, appears nowhere in the pod."""
+    with operator(cluster):
+        uid = create(cluster, _demo_spec_doc())["metadata"]["uid"]
+        deploy = cluster.wait_for(lambda: cluster.get(cluster.deployments, "demo-gateway"))
+        secret = cluster.get(cluster.secrets, "demo-admin-token")
+        (ref,) = secret["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"]) == ("SpecDecodeDeployment", "demo", uid)
+        token = admin_token_of(secret)
+        assert token and len(token) >= 32 and token != uid
+        pod = deploy["spec"]["template"]
+        assert uid not in json.dumps(pod) and token not in json.dumps(pod)
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert "SPECD_ADMIN_TOKEN" not in env
+        assert env["SPECD_ADMIN_TOKEN_FILE"] == {
+            "name": "SPECD_ADMIN_TOKEN_FILE",
+            "value": "/etc/specd-admin/token",
+        }
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/etc/specd-admin"]
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"] == {
+            "secretName": "demo-admin-token",
+            "items": [{"key": "token", "path": "token"}],
+        }
+        merge(cluster, "demo", {"spec": {"replicas": 3}})
+
+        def scaled() -> bool:
+            config = cluster.get(cluster.configmaps, "demo-config")["data"]
+            return "replicas: 3" in config["deployment.yaml"]
+
+        cluster.wait_for(scaled, what="the spec change applied")
+        polls = cluster.gateway.polls.get((NAMESPACE, "demo"), 0)
+        cluster.wait_for(lambda: cluster.gateway.polls.get((NAMESPACE, "demo"), 0) > polls + 3)
+    kept = cluster.get(cluster.secrets, "demo-admin-token")
+    assert admin_token_of(kept) == token
+    assert kept["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+    assert [s["metadata"]["name"] for s in cluster.live(cluster.secrets)] == ["demo-admin-token"]
+
+
 def test_delete_leaves_cleanup_to_owner_references(cluster):
     with operator(cluster):
         uid = create(cluster, _demo_spec_doc())["metadata"]["uid"]
@@ -357,7 +399,7 @@ def test_delete_with_external_ray_has_the_gateway_release_its_actors_first(clust
         deploy = cluster.wait_for(lambda: cluster.get(cluster.deployments, "shared-ray-gateway"))
         (container,) = deploy["spec"]["template"]["spec"]["containers"]
         assert "--address=ray-head.ray-system.svc:6379" in container["command"][-1]
-        assert container["env"] == [{"name": "SPECD_ADMIN_TOKEN", "value": uid}]
+        token = admin_token_of(cluster.get(cluster.secrets, "shared-ray-admin-token"))
         assert cluster.get(cluster.rayclusters, "shared-ray-ray") is None  # nothing managed
         assert sdd(cluster, "shared-ray")["metadata"]["finalizers"]
         key = (NAMESPACE, "shared-ray")
@@ -366,8 +408,9 @@ def test_delete_with_external_ray_has_the_gateway_release_its_actors_first(clust
         )
         http(cluster, "DELETE", f"{SDD_PATH}/shared-ray")
         cluster.wait_for(lambda: sdd(cluster, "shared-ray") is None, what="SDD deleted")
-        # the gateway released its actors (authorized by the SDD's uid), then went
-        assert cluster.gateway.releases == [(key, f"Bearer {uid}")]
+        # the gateway released its actors (authorized by the Secret's token), then went
+        assert token and token != uid
+        assert cluster.gateway.releases == [(key, f"Bearer {token}")]
         assert cluster.get(cluster.deployments, "shared-ray-gateway") is None
         assert "Released: the gateway drained and killed replicas: r0, r1" in event_messages(
             cluster

@@ -136,6 +136,8 @@ def test_every_request_is_in_the_rbac_table(cluster, tmp_path, monkeypatch):
         ("", "events", "create"),
         ("", "namespaces", "watch"),
         ("", "configmaps", "create"),
+        ("", "secrets", "create"),
+        ("", "secrets", "get"),
         ("apps", "deployments", "delete"),
         ("ray.io", "rayclusters", "create"),
         ("monitoring.coreos.com", "servicemonitors", "create"),

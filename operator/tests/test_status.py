@@ -152,6 +152,30 @@ def test_leak_check_failures_degrade():
     assert status.leak_check_failures == 2
 
 
+def test_a_load_error_the_gateway_gave_up_on_degrades_naming_it():
+    """The pool's `ReplicaFailure` (the same load error twice) for the current config:
+    Degraded/ReplicaFailed with the message; for an older config it is not reported."""
+    sdd = _sdd(replicas=1)
+    message = "config.json: architecture FooForCausalLM is not supported"
+    doc = gateway_doc(sdd.spec, [], failure=message)
+    status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ReplicaFailed")
+    assert message in degraded.message and "replica r1" in degraded.message
+    assert _conditions(status)["Ready"] == ("False", "ReplicasNotReady")
+    doc["failure"]["config_hash"] = "older"
+    status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
+    assert _conditions(status)["Degraded"] == ("False", "AsExpected")
+
+
+def test_leak_check_failures_of_replicas_gone_still_count():
+    sdd = _sdd()
+    h = sdd.spec.config_hash()
+    doc = gateway_doc(sdd.spec, [actor("r2", h, leaks=1)], retired_leaks=3)
+    status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
+    assert status.leak_check_failures == 4
+
+
 def test_plain_decode_reports_speculation_off():
     sdd = _sdd(speculative=False)
     doc = gateway_doc(sdd.spec, [actor("r0", sdd.spec.config_hash(), speculating=False)])

@@ -4,11 +4,12 @@ without any."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
 
-from specd.workers.api_keys import ApiKeys, needs_key
+from specd.workers.api_keys import ApiKeys, key_id, needs_key
 from specd.workers.cli import EXIT_INVALID, main
 
 
@@ -71,3 +72,55 @@ def test_a_spec_asking_for_keys_is_not_served_without_any(tmp_path, capsys, monk
     assert main(argv) == EXIT_INVALID
     err = capsys.readouterr().err
     assert "spec.auth.apiKeySecret" in err and "SPECD_API_KEY" in err
+
+
+BLANK_KEYS = {
+    "blank": ({"SPECD_API_KEY": " "}, None, "SPECD_API_KEY"),
+    "only commas": ({"SPECD_API_KEY": " , ,"}, None, "SPECD_API_KEY"),
+    "empty": ({"SPECD_API_KEY": ""}, None, "SPECD_API_KEY"),
+    "file of blank lines": ({}, "\n  \n\n", "SPECD_API_KEY_FILE"),
+    "blank file setting": ({"SPECD_API_KEY_FILE": " "}, None, "SPECD_API_KEY_FILE"),
+}
+
+
+@pytest.mark.parametrize(("env", "file_text", "setting"), BLANK_KEYS.values(), ids=BLANK_KEYS)
+@pytest.mark.parametrize("command", ["serve", "gateway"])
+def test_a_key_setting_holding_no_key_is_refused_naming_it(
+    tmp_path, capsys, monkeypatch, command, env, file_text, setting
+):
+    """Fail closed: a key list that is blank or only blanks would turn authentication off
+    without a word; `specd serve` / `specd gateway` exit 2 naming the setting instead."""
+    for name in ("SPECD_API_KEY", "SPECD_API_KEY_FILE", "SPECD_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN_FILE", str(tmp_path / "admin-token"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if file_text is not None:
+        (tmp_path / "keys").write_text(file_text)
+        monkeypatch.setenv("SPECD_API_KEY_FILE", str(tmp_path / "keys"))
+    keys = ApiKeys.from_env()
+    assert setting in " ".join(keys.blank_settings())
+    f = tmp_path / "spec.yaml"
+    f.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
+        "spec: {model: {path: m}}\n"
+    )
+    argv = ["serve", str(f)] if command == "serve" else ["gateway", "--config", str(f)]
+    assert main(argv) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert setting in err and "holding no API key" in err
+    assert not (tmp_path / "admin-token").exists()  # refused before anything starts
+
+
+def test_keys_given_are_not_blank_and_none_given_is_no_auth(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("\nk\n")
+    env = {"SPECD_API_KEY": "a, b", "SPECD_API_KEY_FILE": str(path)}
+    assert ApiKeys.from_env(env).blank_settings() == []
+    assert ApiKeys.from_env({}).blank_settings() == [] and not ApiKeys.from_env({}).enabled
+    missing = ApiKeys.from_env({"SPECD_API_KEY_FILE": str(tmp_path / "later")})
+    assert missing.blank_settings() == [] and missing.enabled  # refuses all until it appears
+
+
+def test_a_key_is_known_by_its_hash_only():
+    assert key_id("k1") == hashlib.sha256(b"k1").hexdigest() != key_id("k2")

@@ -1,11 +1,16 @@
-"""`specd generate` and `specd validate` as a user runs them (in-process `main`)."""
+"""`specd generate` and `specd validate` as a user runs them (in-process `main`), and
+`specd serve`'s admin token (docs/security.md)."""
 
 import json
+import stat
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.workers.cli import EXIT_FAILED, EXIT_INVALID, main
+from specd.workers.admin_auth import load_admin_token
+from specd.workers.cli import EXIT_FAILED, EXIT_INVALID, admin_token_note, main
+from specd.workers.config import ConfigError
 
 
 def test_generate_prints_transformers_greedy_text(tiny_models, capsys):
@@ -41,7 +46,7 @@ def test_validate_accepts_a_good_file_and_names_the_bad_field(tmp_path, capsys):
         "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: g}\n"
         "spec: {model: {path: m}, replicas: 2}\n"
     )
-    assert main(["validate", str(good)]) == 0
+    assert main(["validate", "--schema-only", str(good)]) == 0  # no folder m here
     assert "g serves m (2 replicas" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text(good.read_text().replace("replicas: 2", "replicas: 2, maxRunningRequest: 3"))
@@ -57,3 +62,43 @@ def test_draft_without_speculative_is_refused(tmp_path, capsys):
     )
     assert main(["validate", str(f)]) == EXIT_INVALID
     assert "spec.draft needs spec.speculative" in capsys.readouterr().err
+
+
+def test_serve_makes_an_admin_token_file_only_its_user_reads(tmp_path):
+    """Without SPECD_ADMIN_TOKEN, `specd serve` writes a random admin token to a 0600 file
+    (by default under $XDG_STATE_HOME/specd, in a 0700 folder) and reuses it next time;
+    SPECD_ADMIN_TOKEN_FILE moves it; a token set but blank is refused (exit 2)."""
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    first = load_admin_token(env)
+    path = tmp_path / "state" / "specd" / "admin-token"
+    assert (first.path, first.generated) == (path, True) and len(first.value) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    again = load_admin_token(env)
+    assert (again.value, again.generated) == (first.value, False)
+    assert str(path) in admin_token_note(first) and first.value not in admin_token_note(first)
+    moved = load_admin_token({**env, "SPECD_ADMIN_TOKEN_FILE": str(tmp_path / "t")})
+    assert moved.path == tmp_path / "t" and moved.value != first.value
+    given = load_admin_token({**env, "SPECD_ADMIN_TOKEN": " s3cret "})
+    assert (given.value, given.path) == ("s3cret", None)
+    (tmp_path / "empty").write_text("\n")
+    for blank, setting in [
+        ({"SPECD_ADMIN_TOKEN": " "}, "SPECD_ADMIN_TOKEN"),
+        ({"SPECD_ADMIN_TOKEN_FILE": ""}, "SPECD_ADMIN_TOKEN_FILE"),
+        ({"SPECD_ADMIN_TOKEN_FILE": str(tmp_path / "empty")}, "is blank"),
+    ]:
+        with pytest.raises(ConfigError, match=setting):
+            load_admin_token({**env, **blank})
+
+
+def test_serve_refuses_a_blank_admin_token(tmp_path, monkeypatch, capsys):
+    for name in ("SPECD_API_KEY", "SPECD_API_KEY_FILE", "SPECD_ADMIN_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN", "")
+    f = tmp_path / "spec.yaml"
+    f.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
+        "spec: {model: {path: m}}\n"
+    )
+    assert main(["serve", str(f)]) == EXIT_INVALID
+    assert "SPECD_ADMIN_TOKEN is set but blank" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -74,7 +75,9 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 
 
 def test_serve_cli_smoke(model_dir, tmp_path):
-    """`specd serve` of a speculative deployment (tiny EAGLE tree, overlap on)."""
+    """`specd serve` of a speculative deployment (tiny EAGLE tree, overlap on).  Without
+    SPECD_ADMIN_TOKEN it writes a random admin token to a 0600 file under the user's state
+    folder and says where; ``POST /admin/release`` needs that token."""
     draft = make_tiny_eagle(tmp_path / "draft", model_dir)
     spec_file = tmp_path / "tiny.yaml"
     spec_file.write_text(
@@ -84,8 +87,11 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         "  kvCache: {pageSize: 4}\n  scheduler: {overlap: true}\n"
         "  samplingDefaults: {temperature: 0}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    unset = ("RAY_ADDRESS", "SPECD_ADMIN_TOKEN", "SPECD_ADMIN_TOKEN_FILE")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env["PYTHONPATH"] = _source_roots()
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    token_file = tmp_path / "state" / "specd" / "admin-token"
     cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file), "--port", "0"]
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -127,6 +133,16 @@ def test_serve_cli_smoke(model_dir, tmp_path):
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, **GREEDY
         )
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+        assert f"specd: admin token written to {token_file}" in "".join(lines)
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert token not in "".join(lines)  # where it is, not what it is
+        release = f"{url}/admin/release"
+        assert httpx.post(release, json={}, timeout=10).status_code == 401
+        with_token = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(release, headers=with_token, timeout=10).status_code == 415
+        released = httpx.post(release, json={}, headers=with_token, timeout=60)
+        assert released.status_code == 200 and len(released.json()["released"]) == 1
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, "".join(lines)
     finally:
@@ -999,7 +1015,8 @@ def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
 ):
     """`specd gateway` (a Kubernetes pod) detaches when it stops, so the next pod adopts
     the warm actors; ``POST /admin/release`` (the operator's delete finalizer) needs the
-    admin token, drains and kills them, and the pool starts no new ones."""
+    admin token and a JSON body, refuses any browser Origin even with the token, drains
+    and kills them, and the pool starts no new ones."""
     spec = spec_for_model(model_dir, replicas=1, model={"name": MODEL}, resources={"cpu": 0.5})
     pod = {"on_stop": "detach", "admin_token": "s3cret"}
     body = {"model": MODEL, "prompt": "Hello", **GREEDY}
@@ -1013,12 +1030,21 @@ def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
         [adopted] = second.pool.ready()
         assert adopted.actor_name == old.actor_name
         assert http.post("/v1/completions", json=body).status_code == 200
-        assert http.post("/admin/release").status_code == 401
+        assert http.post("/admin/release", json={}).status_code == 401
         wrong = {"Authorization": "Bearer guess"}
-        assert http.post("/admin/release", headers=wrong).status_code == 401
+        assert http.post("/admin/release", json={}, headers=wrong).status_code == 401
         token = {"Authorization": "Bearer s3cret"}
-        assert http.post("/admin/release", headers=token).json() == {"released": [adopted.name]}
-        assert http.post("/admin/release", headers=token).json() == {"released": [adopted.name]}
+        browser = {**token, "Origin": "http://evil.example"}
+        refused = http.post("/admin/release", json={}, headers=browser)
+        assert refused.status_code == 403 and "Origin" in refused.json()["error"]["message"]
+        assert http.get("/admin/status", headers={"Origin": "null"}).status_code == 403
+        form = {**token, "Content-Type": "application/x-www-form-urlencoded"}
+        assert http.post("/admin/release", content="a=1", headers=form).status_code == 415
+        assert http.post("/admin/release", headers=token).status_code == 415
+        assert http.get("/admin/status").json()["actors"]  # nothing released so far
+        released = {"released": [adopted.name]}
+        assert http.post("/admin/release", json={}, headers=token).json() == released
+        assert http.post("/admin/release", json={}, headers=token).json() == released
         _wait_for(
             lambda: old.actor_name not in ray.util.list_named_actors(), 30, "the actor killed"
         )
@@ -1039,7 +1065,7 @@ def test_api_keys_guard_the_openai_endpoints_and_rotate_live(ray_cluster, model_
     keys = ApiKeys(("from-env",), path=str(key_file))
     body = {"model": MODEL, "prompt": "Hello", **GREEDY, "max_tokens": 2}
     with (
-        running_gateway(spec, "keyed", api_keys=keys) as gw,
+        running_gateway(spec, "keyed", api_keys=keys, admin_token="adm1n") as gw,
         httpx.Client(base_url=gw.url, timeout=60) as http,
     ):
 
@@ -1059,6 +1085,9 @@ def test_api_keys_guard_the_openai_endpoints_and_rotate_live(ray_cluster, model_
             assert status("/v1/completions", key, "POST", json=body) == 200
         for open_path in ("/health", "/version", "/metrics", "/admin/status"):
             assert status(open_path) == 200, open_path
+        # the admin token is no API key, and an API key never authorizes /admin
+        assert status("/v1/models", "adm1n") == 401
+        assert status("/admin/release", "first", "POST", json={}) == 401
         assert http.get("/version").json() == {"version": importlib.metadata.version("specd")}
 
         key_file.write_text("first\nsecond\n")  # rotate: add, then drop the old key
@@ -1076,7 +1105,7 @@ def test_api_keys_guard_the_openai_endpoints_and_rotate_live(ray_cluster, model_
             for s in f.samples
             if s.name == "specd_gateway_requests_total" and s.labels["code"] == "401"
         }
-        assert sum(v for _, v in counts) == 5
+        assert sum(v for _, v in counts) == 7
 
 
 def test_rate_limits_per_api_key_apply_live(ray_cluster, model_dir):

@@ -19,11 +19,13 @@ import httpx
 import pytest
 import ray
 
+from specd.workers.api_keys import ApiKeys, key_id
 from specd.workers.config import spec_for_model
 from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
+from specd.workers.ownership import Owners
 from specd.workers.session_homes import SessionHomes
-from specd.workers.testing import in_loop
+from specd.workers.testing import in_loop, running_gateway
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.tools.tiny_draft import make_tiny_eagle
 
@@ -145,6 +147,10 @@ async def plain_generation(
         return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas)
 
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(go(), gateway.loop))
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def assert_error(r: httpx.Response, status: int, *needles: str, param: str | None = None):
@@ -528,3 +534,47 @@ async def test_sessions_survive_a_rolling_update(client, gateway):
     talked = await talk([11])
     for sid in [*idle, talker]:
         await close_session(client, sid)
+
+
+async def test_a_session_belongs_to_the_api_key_that_opened_it(ray_cluster, model_dir):
+    """With API keys a session is its opener's: another key's turns and close get the
+    404 of an unknown id, and the opener goes on.  The owner travels sealed in the id, so
+    the bare engine token is no id either, and a gateway restarted with the same admin
+    token (the operator's Secret) still knows whose it is."""
+    spec = spec_for_model(
+        model_dir,
+        replicas=1,
+        model={"name": MODEL},
+        resources={"cpu": 0.5},
+        kvCache={"pageSize": PAGE},
+        sessions={"enabled": True},
+    )
+    keys = ApiKeys(("key-a", "key-b"))
+    with running_gateway(spec, "gwsesskeys", api_keys=keys, admin_token="adm1n") as gw:
+        async with (
+            httpx.AsyncClient(base_url=gw.url, timeout=120, headers=bearer("key-a")) as a,
+            httpx.AsyncClient(base_url=gw.url, timeout=120, headers=bearer("key-b")) as b,
+        ):
+            sid = await open_session(a)
+            token, _, _ = sid.rpartition("-")
+            unknown = f"{token}-{'0' * 32}"  # a seal no key makes
+
+            def seen(r: httpx.Response, session_id: str) -> tuple[int, dict]:
+                return r.status_code, json.loads(r.text.replace(session_id, "<id>"))
+
+            chat = [{"role": "user", "content": "Hi"}]
+            for path, prompt in ((CMPL, [5, 6]), (CHAT, chat)):
+                theirs = seen(await turn(b, sid, prompt, path), sid)
+                assert theirs == seen(await turn(b, unknown, prompt, path), unknown)
+                assert theirs[0] == 404 and theirs[1]["error"]["param"] == "session_id"
+            closing = seen(await b.delete(f"/v1/sessions/{sid}"), sid)
+            assert closing == seen(await b.delete(f"/v1/sessions/{unknown}"), unknown)
+            assert closing[0] == 404 and "no session" in closing[1]["error"]["message"]
+            assert_error(await turn(a, token, [5, 6]), 404, "no session", param="session_id")
+            r = await turn(a, sid, [5, 6])
+            assert r.status_code == 200, r.text
+            restarted = Owners(keyed=True, admin_token="adm1n")
+            assert restarted.unseal(sid, key_id("key-a")) == token
+            assert restarted.unseal(sid, key_id("key-b")) is None
+            assert Owners(keyed=True, admin_token="other").unseal(sid, key_id("key-a")) is None
+            await close_session(a, sid)

@@ -213,7 +213,12 @@ def test_min_p_keeps_what_transformers_keeps():
 @pytest.mark.parametrize(
     "params,message",
     [
-        (dict(repetition_penalty=0.0), "repetition_penalty: must be > 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty: must be in [0.01, 100]"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty: must be in [0.01, 100]"),
+        (dict(repetition_penalty=1e3), "repetition_penalty: must be in [0.01, 100]"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty: must be in [0.01, 100]"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty: must be in [-2, 2]"),
+        (dict(logit_bias=((4, float("nan")),)), "logit_bias: bias nan of token 4"),
         (dict(frequency_penalty=2.5), "frequency_penalty: must be in [-2, 2]"),
         (dict(presence_penalty=-3.0), "presence_penalty: must be in [-2, 2]"),
         (dict(min_p=1.5), "min_p: must be in [0, 1]"),

@@ -12,6 +12,7 @@ import openai
 import pytest
 import ray
 
+from specd.workers.api_keys import ApiKeys
 from specd.workers.config import spec_for_model
 from specd.workers.testing import running_gateway
 from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
@@ -127,6 +128,40 @@ def test_stored_responses_can_be_read_and_deleted(client, gateway):
     with pytest.raises(openai.NotFoundError) as err:
         client.responses.create(model=MODEL, input="x", previous_response_id=unstored.id, **GREEDY)
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_a_stored_response_belongs_to_the_api_key_that_made_it(gateway):
+    """With API keys a stored response is its maker's: another key reading, deleting or
+    continuing it gets the 404 of an unknown id, and the maker goes on."""
+    keys = ApiKeys(("key-a", "key-b"))
+    with running_gateway(gateway.spec, "responseskeyed", api_keys=keys) as keyed:
+        a, b = (
+            openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=key, max_retries=0)
+            for key in ("key-a", "key-b")
+        )
+        made = a.responses.create(model=MODEL, input="Mine", **GREEDY)
+        unknown = f"resp_{'0' * 32}"
+
+        def refusal(call, rid: str) -> dict:
+            with pytest.raises(openai.NotFoundError) as err:
+                call(rid)
+            return json.loads(json.dumps(err.value.body).replace(rid, "<id>"))
+
+        for call in (
+            b.responses.retrieve,
+            b.responses.delete,
+            lambda rid: b.responses.create(
+                model=MODEL, input="x", previous_response_id=rid, **GREEDY
+            ),
+        ):
+            assert refusal(call, made.id) == refusal(call, unknown)
+        assert a.responses.retrieve(made.id).output_text == made.output_text
+        after = a.responses.create(
+            model=MODEL, input="more", previous_response_id=made.id, **GREEDY
+        )
+        assert after.status in ("completed", "incomplete")
+        a.responses.delete(made.id)
+        assert refusal(a.responses.retrieve, made.id) == refusal(a.responses.retrieve, unknown)
 
 
 BAD = {

@@ -28,9 +28,12 @@ def _req(rid: str, **params) -> Req:
 def test_greedy_rows_take_the_argmax_and_a_seeded_row_reproduces():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     reqs = [_req("a"), _req("b", temperature=1.0, seed=7), _req("c")]
-    first = sample_next_tokens(logits, reqs)
+    first, unusable = sample_next_tokens(logits, reqs)
+    assert not unusable.any()
     assert first[0] == logits[0].argmax() and first[2] == logits[2].argmax()
-    again = sample_next_tokens(logits, [_req("a"), _req("b", temperature=1.0, seed=7), _req("c")])
+    again, _ = sample_next_tokens(
+        logits, [_req("a"), _req("b", temperature=1.0, seed=7), _req("c")]
+    )
     assert torch.equal(first, again)
 
 

@@ -1,6 +1,8 @@
 """Desired child objects of a SpecDecodeDeployment, as plain dicts (pure builders).
 
     SDD ──owns──> ConfigMap   <name>-config    the resolved engine config + its hash
+        ──owns──> Secret      <name>-admin-token  the gateway's admin token (random, made
+                                               once, never rotated; mounted as a file)
         ──owns──> RayCluster  <name>-ray       head (no actors) + GPU "engine" workers;
                                                absent when spec.ray.address is set
         ──owns──> Deployment  <name>-gateway   one pod: joins Ray as a 0-CPU/0-GPU node,
@@ -16,6 +18,7 @@ that stops leaves its actors running for the next one, which adopts them.
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -26,7 +29,7 @@ import yaml
 from specd.operator import naming
 from specd.workers.api_keys import API_KEY_FILE_ENV
 from specd.workers.config import (
-    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FILE_ENV,
     API_GROUP,
     API_VERSION,
     KIND,
@@ -100,6 +103,28 @@ def build_configmap(sdd: SpecDecodeDeployment, owner: Owner) -> dict[str, Any]:
             naming.CONFIG_HASH_KEY: config_hash,
         },
     }
+
+
+def build_admin_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The Secret holding the gateway's admin token (``POST /admin/*``).  The caller
+    draws ``token`` at random and creates this only when it is absent: the token is
+    never rotated by a reconcile, and the SDD's uid never stands in for it."""
+    encoded = base64.b64encode(token.encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, naming.admin_secret_name(owner.name), "gateway"),
+        "type": "Opaque",
+        "data": {naming.ADMIN_TOKEN_KEY: encoded},
+    }
+
+
+def admin_token_of(secret: dict[str, Any]) -> str | None:
+    """The token in a live admin Secret (None if it holds none)."""
+    encoded = (secret.get("data") or {}).get(naming.ADMIN_TOKEN_KEY)
+    if not encoded:
+        return None
+    return base64.b64decode(encoded).decode().strip() or None
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -244,10 +269,19 @@ def build_gateway_deployment(
     spec = sdd.spec
     address = spec.ray.address or naming.ray_head_address(owner.name, owner.namespace)
     probe = {"httpGet": {"path": "/version", "port": "http"}, "periodSeconds": 10}  # open
-    # guards POST /admin/release (the delete finalizer's call)
-    env = [{"name": ADMIN_TOKEN_ENV, "value": owner.uid}]
-    mounts = [{"name": "config", "mountPath": naming.CONFIG_DIR}]
-    volumes = [{"name": "config", "configMap": {"name": naming.configmap_name(owner.name)}}]
+    # the admin token (POST /admin/release: the delete finalizer's call), as a file
+    admin_file = f"{naming.ADMIN_TOKEN_DIR}/{naming.ADMIN_TOKEN_KEY}"
+    env = [{"name": ADMIN_TOKEN_FILE_ENV, "value": admin_file}]
+    mounts = [
+        {"name": "config", "mountPath": naming.CONFIG_DIR},
+        {"name": "admin-token", "mountPath": naming.ADMIN_TOKEN_DIR, "readOnly": True},
+    ]
+    admin_items = [{"key": naming.ADMIN_TOKEN_KEY, "path": naming.ADMIN_TOKEN_KEY}]
+    admin_secret = {"secretName": naming.admin_secret_name(owner.name), "items": admin_items}
+    volumes = [
+        {"name": "config", "configMap": {"name": naming.configmap_name(owner.name)}},
+        {"name": "admin-token", "secret": admin_secret},
+    ]
     if (secret := spec.auth.api_key_secret) is not None:  # a volume: key changes go live
         keys_file = f"{naming.API_KEYS_DIR}/{naming.API_KEYS_FILE}"
         env.append({"name": API_KEY_FILE_ENV, "value": keys_file})

@@ -13,7 +13,8 @@
                          every SDD.
 - delete:                only for an external Ray cluster (``spec.ray.address``): the
                          finalizer has the gateway drain and kill its actors there
-                         (``POST /admin/release``, with the SDD's uid as the token),
+                         (``POST /admin/release``, with the admin token read from
+                         the SDD's Secret),
                          then deletes it; everything else goes by ownerReferences (a
                          managed RayCluster takes its actors with it).  The poller
                          leaves an SDD that is being deleted alone.
@@ -36,6 +37,7 @@ from specd.operator.reconcile import (
     OperatorContext,
     now_rfc3339,
     observe,
+    read_admin_token,
     release_gateway,
     write_status,
 )
@@ -154,7 +156,11 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         path = object_path("apps/v1", "Deployment", namespace, naming.gateway_name(name))
         if await ctx.client.get(path) is None:
             return
-        released, error = await release_gateway(ctx, namespace, name, raw["metadata"]["uid"])
+        token = await read_admin_token(ctx.client, namespace, name)
+        if token is None:
+            released, error = None, f"no admin token in Secret {naming.admin_secret_name(name)}"
+        else:
+            released, error = await release_gateway(ctx, namespace, name, token)
         if released is None and runtime.total_seconds() < ctx.release_give_up_s:
             raise kopf.TemporaryError(f"gateway did not release its actors: {error}", delay=5)
         if released is None:

@@ -22,6 +22,7 @@ MERGE_PATCH = "application/merge-patch+json"
 # plural of every kind the operator writes
 PLURALS = {
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
     "Service": "services",
     "Deployment": "deployments",
     "RayCluster": "rayclusters",

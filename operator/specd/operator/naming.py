@@ -6,6 +6,8 @@ CONFIG_FILE = "deployment.yaml"
 CONFIG_DIR = "/etc/specd"
 API_KEYS_DIR = "/etc/specd-auth"  # the gateway's API keys, from spec.auth.apiKeySecret
 API_KEYS_FILE = "api-keys"
+ADMIN_TOKEN_DIR = "/etc/specd-admin"  # the gateway's admin token, from the SDD's own Secret
+ADMIN_TOKEN_KEY = "token"  # the Secret's key and the file's name
 GATEWAY_PORT = 8000
 RAY_GCS_PORT = 6379
 CONFIG_HASH_KEY = "configHash"
@@ -16,6 +18,11 @@ COMPONENT_LABEL = "specd.dev/component"
 
 def configmap_name(sdd: str) -> str:
     return f"{sdd}-config"
+
+
+def admin_secret_name(sdd: str) -> str:
+    """The Secret holding the gateway's admin token (made once, never rotated)."""
+    return f"{sdd}-admin-token"
 
 
 def raycluster_name(sdd: str) -> str:

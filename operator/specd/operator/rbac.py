@@ -1,7 +1,9 @@
 """Every API permission the operator uses: the table the chart's RBAC is checked against.
 
 Read from the code, not guessed.  `kube.KubeClient` calls get / create / merge-patch
-(``patch``) / delete on the children and patches ``specdecodedeployments/status``;
+(``patch``) / delete on the children and patches ``specdecodedeployments/status``; the
+admin token Secret is only got and created (`reconcile.ensure_admin_secret`: never
+patched, so never rotated);
 kopf lists, watches and patches the SDDs (finalizer, progress annotations); kopf and
 `kube.KubeClient.post_event` post core/v1 Events.  Peering (`main.PEERING_NAME`) lists, watches and patches
 ``KopfPeering`` objects in every watched namespace, or the ``ClusterKopfPeering``
@@ -40,6 +42,12 @@ NAMESPACED: tuple[Permission, ...] = (
     Permission(API_GROUP, "specdecodedeployments/status", ("patch",), "the status writer"),
     Permission("", "events", ("create",), "kopf.info / kopf.warn and handler errors"),
     Permission("", "configmaps", ("get", "create", "patch"), "ensure: engine config"),
+    Permission(
+        "",
+        "secrets",
+        ("get", "create"),
+        "the gateway's admin token: created once per SDD, read for /admin/release",
+    ),
     Permission("", "services", ("get", "create", "patch"), "ensure: gateway Service"),
     Permission(
         "apps",

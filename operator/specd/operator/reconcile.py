@@ -2,7 +2,8 @@
 
     parse spec (pydantic only: what an engine refuses when it loads, such as an
     attention backend that cannot serve the layout, the gateway reports)
-      -> ensure ConfigMap -> [managed Ray: KubeRay served? -> ensure RayCluster]
+      -> ensure ConfigMap -> ensure admin token Secret (created once, never patched)
+      -> [managed Ray: KubeRay served? -> ensure RayCluster]
       -> ensure gateway Deployment -> ensure Service -> [ensure ServiceMonitor]
       -> GET <gateway>/admin/status
       => `Observation` (status.compute_status turns it into the CR status)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -129,6 +131,23 @@ async def ensure(
     return "updated"
 
 
+async def ensure_admin_secret(client: KubeClient, owner: Owner) -> str:
+    """The gateway's admin token Secret, created with a random token when absent;
+    "created" or "unchanged".  Never patched: a reconcile never rotates the token (the
+    running gateway holds it), and a create that meets 409 keeps the one there."""
+    path = object_path("v1", "Secret", owner.namespace, naming.admin_secret_name(owner.name))
+    if await client.get(path) is not None:
+        return "unchanged"
+    secret = children.build_admin_secret(owner, secrets.token_urlsafe(32))
+    return "created" if await client.create(secret) is not None else "unchanged"
+
+
+async def read_admin_token(client: KubeClient, namespace: str, name: str) -> str | None:
+    """The admin token of SDD ``name`` from its Secret (None when it has none)."""
+    live = await client.get(object_path("v1", "Secret", namespace, naming.admin_secret_name(name)))
+    return None if live is None else children.admin_token_of(live)
+
+
 @dataclass(frozen=True, slots=True)
 class Pass:
     """One reconcile's outcome: what it saw and which children it wrote."""
@@ -157,6 +176,8 @@ async def ensure_children(
 
     selector = naming.selector(owner.name, "engine")
     await step(children.build_configmap(sdd, owner))
+    if await ensure_admin_secret(client, owner) == "created":  # before the pod mounts it
+        writes.append(("Secret", naming.admin_secret_name(owner.name), "created"))
     if sdd.spec.ray.address is None:
         if not await client.served("ray.io", "v1", "rayclusters"):
             return Observation(generation, sdd, kuberay_missing=True, selector=selector), writes
@@ -191,13 +212,15 @@ async def poll_gateway(ctx: OperatorContext, namespace: str, name: str) -> tuple
 async def release_gateway(
     ctx: OperatorContext, namespace: str, name: str, token: str
 ) -> tuple[list[str] | None, str | None]:
-    """``POST /admin/release``: the gateway drains and kills its actors (waited for, up
-    to `RELEASE_TIMEOUT_S`).  (released replica names, None) or (None, why not)."""
+    """``POST /admin/release`` with the admin token (`read_admin_token`) and a JSON body,
+    as the gateway requires: it drains and kills its actors (waited for, up to
+    `RELEASE_TIMEOUT_S`).  (released replica names, None) or (None, why not)."""
     url = ctx.gateway_url(namespace, name) + "/admin/release"
     try:
         session = await ctx.http()
         async with session.post(
             url,
+            json={},  # Content-Type: application/json
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S),
         ) as resp:

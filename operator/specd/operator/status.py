@@ -20,8 +20,9 @@ the deployment began.
 The desired count is ``spec.replicas``; with ``spec.autoscaling`` it is the gateway's
 autoscaler's (``desired_replicas`` of its document), or ``spec.replicas`` within the
 bounds while the gateway cannot be read.
-    Degraded             True  with a reason: InvalidSpec, KubeRayMissing, ReplicaFailing,
-                               LeakCheckFailed
+    Degraded             True  with a reason: InvalidSpec, KubeRayMissing, ReplicaFailed
+                               (the gateway gave up loading the current config: the
+                               same load error twice), ReplicaFailing, LeakCheckFailed
     SpeculationEffective True  <=> mean accept length over the window >= minAcceptLength
 """
 
@@ -247,6 +248,15 @@ def _degraded(obs: Observation) -> Condition:
             f"spec.ray: no RayCluster API (ray.io/v1) is served; {KUBERAY_INSTALL_HINT}",
         )
     doc = obs.gateway or {}
+    failure = doc.get("failure")
+    if failure and obs.sdd is not None and failure.get("config_hash") == obs.sdd.spec.config_hash():
+        return _condition(
+            "Degraded",
+            True,
+            "ReplicaFailed",
+            f"replica {failure.get('replica')} failed to load twice alike, so none is started "
+            f"until the spec changes: {failure.get('message')}",
+        )
     failing = failing_replicas(doc.get("events", []))
     if failing:
         last = failing[-1]
@@ -352,9 +362,8 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
         conditions=conditions,
         speculation=spec_status,
         kv=_kv(actors),
-        leak_check_failures=sum(
-            int((a.get("load") or {}).get("leak_check_failures", 0)) for a in actors
-        ),
+        leak_check_failures=int(doc.get("retired_leak_check_failures", 0))  # replicas gone
+        + sum(int((a.get("load") or {}).get("leak_check_failures", 0)) for a in actors),
         replacements=previous.replacements + len(new_deaths),
         last_event_time=max([seen_until, *(e.get("time", 0.0) for e in events)]) or None,
         actors=[

@@ -7,6 +7,13 @@ closes the engine's generator and aborts the request inside the engine.
 
 Session calls answer a `SessionReply` instead of raising: Ray wraps an actor's
 exceptions, and the gateway needs the engine's status code as is.
+
+A model that cannot load for a reason in its files or the spec (`ConfigError`,
+`ModelLoadError`: an unsupported architecture, a missing tensor) does not fail the
+actor's creation, which Ray would report as an untyped actor death: the actor stays up
+and ``info()`` raises `ReplicaLoadError`, which the pool catches by type and does not
+retry forever.  ``wait_unhealthy()`` returns as soon as the engine loop has died, so the
+pool learns of it at once rather than at its next probe.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 import ray
 
-from specd.workers.config import DeploymentSpec
+from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.engine import Engine
 from specd.workers.engine.types import (
     FinishReason,
@@ -29,11 +36,22 @@ from specd.workers.engine.types import (
     SessionError,
     SessionSnapshot,
 )
+from specd.workers.model.config import ModelLoadError
 
 # Every in-flight stream holds one concurrency slot, and status/ping/abort calls must
 # never wait behind them.
 MAX_CONCURRENCY = 10_000
 _DRAIN_POLL_S = 0.05
+_HEALTH_POLL_S = 0.05  # how often `wait_unhealthy` looks at the engine
+
+
+class ReplicaLoadError(Exception):
+    """The replica's model cannot load for a reason in its files or the spec (the same
+    on every try); raised by ``info()``, caught by type in the pool."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +86,14 @@ class EngineActor:
 
     def __init__(self, spec: DeploymentSpec, replica: str):
         self._spec = spec
-        self._engine = Engine(spec, replica=replica)
-        self._engine.start()
         self._draining = False
         self._inflight = 0
+        self._load_error: str | None = None
+        try:
+            self._engine = Engine(spec, replica=replica)
+            self._engine.start()
+        except (ConfigError, ModelLoadError) as err:  # reported by `info`, typed
+            self._load_error = str(err)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream ``req``'s deltas; while draining, refuse it with a 503 delta."""
@@ -136,19 +158,36 @@ class EngineActor:
         return SessionReply(error=f"replica {self._engine.replica} is draining", code=503)
 
     async def info(self) -> dict[str, Any]:
-        """Static facts: answered once the model is loaded (the readiness signal)."""
+        """Static facts: answered once the model is loaded (the readiness signal);
+        `ReplicaLoadError` if it could not load."""
+        if self._load_error is not None:
+            raise ReplicaLoadError(self._load_error)
         return {
             "replica": self._engine.replica,
             "config_hash": self._spec.config_hash(),
             "model": self._spec.served_model_name,
             "context_length": self._engine.context_length,
+            "vocab_size": self._engine.model_config.vocab_size,  # the gateway's id checks
             "sampling_defaults": self._engine.sampling_defaults,
             "device": str(self._engine.device),
             "prefix_cache": self._engine.prefix_cache_shape(),
         }
 
     async def status(self) -> dict[str, Any]:
-        return dict(self._engine.status(), draining=self._draining, inflight=self._inflight)
+        """The engine's status, with its leak-check failures as counted now (the
+        engine's status snapshot stops refreshing when its loop dies)."""
+        return dict(
+            self._engine.status(),
+            leak_check_failures=self._engine.metrics.leak_failures,
+            draining=self._draining,
+            inflight=self._inflight,
+        )
+
+    async def wait_unhealthy(self) -> dict[str, Any]:
+        """Return `status` once the engine loop has died (the pool waits on this)."""
+        while self._engine.healthy:
+            await asyncio.sleep(_HEALTH_POLL_S)
+        return await self.status()
 
     async def metrics_text(self) -> bytes:
         return self._engine.metrics_text()

@@ -2,17 +2,24 @@
 
 As vLLM's ``--api-key`` and SGLang's: with keys configured, every path under ``/v1/``
 and ``/tokenize``, ``/detokenize`` need ``Authorization: Bearer <key>``; ``/health``,
-``/version``, ``/metrics`` and ``/admin/*`` stay open for probes, Prometheus and the
-operator (``/admin/release`` has its own token).  Keys come from ``SPECD_API_KEY``
+``/version``, ``/metrics`` and ``/admin/*`` are not theirs: probes, Prometheus and the
+operator read them, and ``/admin/*`` has its own token (`admin_auth`; an API key never
+opens it).  Keys come from ``SPECD_API_KEY``
 (several, comma-separated) and ``SPECD_API_KEY_FILE`` (one per line), a file the
 operator mounts from a Kubernetes Secret (``spec.auth.apiKeySecret``).  The file is
 read again whenever it changes, so keys rotate without a restart: add the new key,
 move clients over, remove the old one.  A file that cannot be read keeps the keys last
-read from it (none at first: every request is refused, never let through).
+read from it (none at first: every request is refused, never let through).  A setting
+given but naming no key (``SPECD_API_KEY=" "`` or ``","``, a file of blank lines) is
+refused at start (`ApiKeys.blank_settings`): a typo never turns authentication off.
+
+A key's identity (`key_id`) is a hash of it, never the key: rate limits bucket by it, and
+sessions and stored responses belong to it (docs/security.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -28,17 +35,34 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class ApiKeys:
-    def __init__(self, keys: tuple[str, ...] = (), path: str | None = None):
+    def __init__(
+        self, keys: tuple[str, ...] = (), path: str | None = None, *, given: tuple[str, ...] = ()
+    ):
+        """``given``: the settings these came from, checked by `blank_settings`."""
         self._fixed = tuple(k for k in keys if k)
         self.path = Path(path) if path else None
         self._from_file: tuple[str, ...] = ()
         self._file_version: tuple[int, int] | None = None  # (mtime_ns, size) last read
+        self._given = given
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ApiKeys:
         env = os.environ if environ is None else environ
         keys = tuple(k.strip() for k in env.get(API_KEY_ENV, "").split(","))
-        return cls(keys, env.get(API_KEY_FILE_ENV) or None)
+        given = tuple(name for name in (API_KEY_ENV, API_KEY_FILE_ENV) if name in env)
+        return cls(keys, env.get(API_KEY_FILE_ENV, "").strip() or None, given=given)
+
+    def blank_settings(self) -> list[str]:
+        """The settings given that name no key: ``SPECD_API_KEY`` of blanks and commas,
+        ``SPECD_API_KEY_FILE`` blank or a file of blank lines (refused at start)."""
+        blank = [API_KEY_ENV] if API_KEY_ENV in self._given and not self._fixed else []
+        if API_KEY_FILE_ENV in self._given and self.path is None:
+            blank.append(API_KEY_FILE_ENV)
+        elif self.path is not None and self.path.is_file():
+            self._refresh()
+            if not self._from_file:
+                blank.append(f"{API_KEY_FILE_ENV} ({self.path} holds no key)")
+        return blank
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +101,11 @@ class ApiKeys:
         self._file_version = version
         if not self._from_file:
             log.warning("API key file %s holds no key: every /v1 request is refused", self.path)
+
+
+def key_id(key: str) -> str:
+    """A key's identity: its SHA-256 (what rate limits and owners are kept by)."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def bearer_token(authorization: str) -> str | None:

@@ -2,7 +2,8 @@
 
     specd serve FILE.yaml [--host 127.0.0.1] [--port 8000]   gateway + engine actors on Ray
     specd generate --model DIR [--max-tokens N] PROMPT     one engine in-process, no Ray
-    specd validate FILE.yaml                               check a SpecDecodeDeployment
+    specd validate FILE.yaml [--schema-only]               check a SpecDecodeDeployment and
+                                                           that its model folders would load
     specd gateway --config FILE [--host H] [--port P]      the gateway pod: `serve` on
                                                            RAY_ADDRESS, following FILE's changes;
                                                            stopped, it leaves its actors running
@@ -24,8 +25,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from specd.workers.admin_auth import AdminToken, load_admin_token
 from specd.workers.api_keys import API_KEY_ENV, API_KEY_FILE_ENV, ApiKeys
-from specd.workers.config import ADMIN_TOKEN_ENV, ConfigError, load_deployment, spec_for_model
+from specd.workers.config import ConfigError, load_deployment, spec_for_model
 from specd.workers.model.config import ModelLoadError
 
 EXIT_FAILED = 1
@@ -33,12 +35,18 @@ EXIT_INVALID = 2
 
 
 def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str = "release") -> int:
-    from specd.workers.gateway import Gateway  # imports Ray: only for `serve` and `gateway`
-
     sdd = load_deployment(args.file)
     spec = sdd.spec
     api_keys = ApiKeys.from_env()
     check_api_keys_given(spec, api_keys)
+    admin = load_admin_token()  # always one: /admin/* never runs open (docs/security.md)
+    if not follow_config and not (os.environ.get("RAY_ADDRESS") or spec.ray.address):
+        # a local Ray reads these folders too: refuse one that cannot load before it
+        from specd.workers.model.preflight import check_model_folders
+
+        check_model_folders(spec)
+    from specd.workers.gateway import Gateway  # imports Ray: only for `serve` and `gateway`
+
     gateway = Gateway(
         spec,
         name=sdd.metadata.name,
@@ -47,8 +55,9 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
         port=args.port,
         drain_timeout_s=args.drain_timeout,
         on_stop=on_stop,
-        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+        admin_token=admin.value,
         api_keys=api_keys,
+        stop_on_failure=not follow_config,  # the pod stays up to report it
     )
 
     def ready(url: str) -> None:
@@ -65,13 +74,34 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
         f"specd: starting {sdd.metadata.name} ({spec.replicas} replicas of {spec.served_model_name})",
         flush=True,
     )
+    print(admin_token_note(admin), flush=True)
     asyncio.run(_run_gateway(gateway, ready, args.file if follow_config else None))
+    if (failure := gateway.failure) is not None:  # the model cannot load: a spec error
+        print(
+            f"specd: replica {failure.replica} failed to load: {failure.message}", file=sys.stderr
+        )
+        return EXIT_INVALID
     print("specd: stopped", flush=True)
     return 0
 
 
+def admin_token_note(admin: AdminToken) -> str:
+    """Where the admin token is (never the token: stdout often ends up in logs)."""
+    if admin.path is None:
+        where = "from SPECD_ADMIN_TOKEN"
+    else:
+        where = f"{'written to' if admin.generated else 'read from'} {admin.path}"
+    return f"specd: admin token {where} (POST /admin/* needs it; see docs/security.md)"
+
+
 def check_api_keys_given(spec, api_keys: ApiKeys) -> None:
-    """A spec that asks for API keys never serves without any (fails closed)."""
+    """Keys never silently off (fails closed): a key setting given that names no key is
+    refused, and so is a spec that asks for API keys without any."""
+    if blank := api_keys.blank_settings():
+        raise ConfigError(
+            f"{' and '.join(blank)} given but holding no API key (blank, or only commas and "
+            "blank lines): put keys in it, or unset it to serve without API keys"
+        )
     if spec.auth.api_key_secret is not None and not api_keys.enabled:
         raise ConfigError(
             "spec.auth.apiKeySecret asks for API keys but this process has none: set "
@@ -197,11 +227,18 @@ def _cli_grammar(args: argparse.Namespace):
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """The schema, then (unless ``--schema-only``) whether the model folders would load:
+    configs, tokenizer and safetensors headers read, no weight (`preflight`)."""
     sdd = load_deployment(args.file)
     spec = sdd.spec
+    if not args.schema_only:
+        from specd.workers.model.preflight import check_model_folders  # imports torch
+
+        check_model_folders(spec)
     print(
         f"OK: {args.file}: {sdd.metadata.name} serves {spec.served_model_name} "
-        f"({spec.replicas} replicas, config hash {spec.config_hash()})"
+        f"({spec.replicas} replicas, config hash {spec.config_hash()}"
+        f"{'; model folders not checked' if args.schema_only else ''})"
     )
     return 0
 
@@ -239,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = sub.add_parser("validate", help="check a SpecDecodeDeployment file")
     val.add_argument("file")
+    val.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check the spec only, not that its model folders exist and would load",
+    )
     val.set_defaults(func=_validate)
     _add_operator_commands(sub)
     return parser

@@ -33,9 +33,11 @@ from specd.workers.speculative.rung import Rung
 API_GROUP = "specd.dev"
 API_VERSION = "v1alpha1"
 KIND = "SpecDecodeDeployment"
-# the gateway pod's environment variable holding the token `POST /admin/release` needs
-# (the operator sets it; see `specd.workers.gateway`)
+# the admin token `POST /admin/*` needs (`specd.workers.admin_auth`): the token itself,
+# or the file holding it (the operator mounts its per-SDD Secret there; `specd serve`
+# writes a new one there when it is missing)
 ADMIN_TOKEN_ENV = "SPECD_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE_ENV = "SPECD_ADMIN_TOKEN_FILE"
 
 
 def ray_namespace(kube_namespace: str | None) -> str:
@@ -423,6 +425,22 @@ class AuthSpec(_Spec):
     )
 
 
+MIB = 1 << 20
+
+
+class GatewaySpec(_Spec):
+    """Gateway-only (not in the config hash): what one request may cost the gateway."""
+
+    max_request_bytes: int = Field(
+        16 * MIB,
+        ge=64 * 1024,
+        le=1 << 30,
+        description="Largest request body the gateway reads, in bytes (default 16 MiB: "
+        "a 1M-token prompt as text or as token ids); over it: 413, before the body is "
+        "read whole",
+    )
+
+
 class ResourcesSpec(_Spec):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
@@ -528,6 +546,7 @@ class DeploymentSpec(_Spec):
     autoscaling: AutoscalingSpec | None = None
     tool_calls: ToolCallsSpec = Field(default_factory=ToolCallsSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     reasoning: ReasoningSpec = Field(default_factory=ReasoningSpec)
     sessions: SessionsSpec = Field(default_factory=SessionsSpec)
     sampling_defaults: SamplingDefaultsSpec = Field(default_factory=SamplingDefaultsSpec)
@@ -567,12 +586,10 @@ class DeploymentSpec(_Spec):
 
     def config_hash(self) -> str:
         """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing`, `autoscaling`, `toolCalls`, `auth` and `reasoning`)."""
-        body = self.model_dump(
-            mode="json",
-            by_alias=True,
-            exclude={"replicas", "routing", "autoscaling", "tool_calls", "auth", "reasoning"},
-        )
+        the gateway's `routing`, `autoscaling`, `toolCalls`, `auth`, `gateway` and
+        `reasoning`)."""
+        gateway_only = {"routing", "autoscaling", "tool_calls", "auth", "gateway", "reasoning"}
+        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas", *gateway_only})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 

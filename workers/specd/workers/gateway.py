@@ -5,8 +5,11 @@ pool controller, uvicorn, signal handling) that ``specd serve`` and the Kubernet
 gateway pod run.
 
 Request path (both generation endpoints share it; only the `ResponseFormat` differs):
-validate (pydantic -> 400 naming the field) -> check the model name (404) -> tokenize
--> pick a replica (router) -> stream deltas from its actor.  The response starts only
+size limit (413) -> parse and validate (pydantic -> 400 naming the field) -> check the
+model name (404) and token ids -> tokenize -> pick a replica (router) -> stream deltas
+from its actor.  Parsing and tokenizing run off the event loop (`request_limits`: a
+long prompt takes seconds), so /health and the streams in flight never wait behind
+them.  The response starts only
 once the first delta is in, so a request the engine refuses (prompt too long, ...)
 answers with its real status code even when ``stream`` is set.  A replica that is
 draining or dies before producing output is skipped for another one; one that dies
@@ -18,8 +21,9 @@ kills its actors.  ``detach`` (``specd gateway``, the Kubernetes pod) leaves the
 running, so the next gateway pod adopts them warm: a pod restart, node drain or image
 update does not reload the model.  ``POST /admin/release`` (what the operator's
 finalizer calls before deleting a deployment on an external Ray cluster) drains and
-kills the actors of a running gateway and keeps it from starting new ones; when the
-gateway has an admin token it needs ``Authorization: Bearer <token>``.
+kills the actors of a running gateway and keeps it from starting new ones; it always
+needs the admin token, a JSON content type and no browser ``Origin``
+(`admin_auth.GuardAdmin`, docs/security.md).
 
 Sessions: ``POST /v1/sessions`` opens one on a replica (router) and answers an id that
 names that replica's actor (`router.session_token`).  Its first turn (a generation
@@ -27,7 +31,9 @@ request with ``session_id``) may move it to the replica caching that turn's prom
 prefix (`_Api._placed`); a turn goes to the replica the session is on, which the
 gateway remembers (`session_homes`: placed, or moved off a retired replica) or, after
 a restart, asks the replicas for; if it died the session is gone (410).  A turn's
-prompt is tokenized as usual; the engine drops the BOS of turns after the first.
+prompt is tokenized as usual; the engine drops the BOS of turns after the first.  With
+API keys, sessions and stored responses belong to the key that made them
+(`ownership.Owners`: a session id carries its owner's seal; another key gets 404).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import importlib.metadata
 import json
 import logging
@@ -48,11 +53,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import ray
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
@@ -62,17 +67,21 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from specd.workers.api_keys import ApiKeys, RequireApiKey, bearer_token
+from specd.workers.admin_auth import GuardAdmin
+from specd.workers.api_keys import ApiKeys, RequireApiKey
 from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.engine.thinking_gate import thinking_tag_ids
 from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.gateway_metrics import CountRequests, GatewayMetrics, merge_expositions
 from specd.workers.model.tokenizer import (
     apply_chat_template,
+    decode_text,
     load_tokenizer,
     token_bytes_reader,
 )
 from specd.workers.openai_protocol import (
+    ADMIN_ERROR_STATUSES,
+    API_ERROR_STATUSES,
     ChatCompletionRequest,
     ChatFormat,
     ChoiceResult,
@@ -90,19 +99,28 @@ from specd.workers.openai_protocol import (
     TokenizeResponse,
     UsageInfo,
     error_body,
+    error_responses,
     output_constraints,
     render_logprobs,
 )
+from specd.workers.ownership import Owners
 from specd.workers.parallel_choices import choice_requests, merge_streams
 from specd.workers.pool import (
     PoolController,
     Replica,
     ReplicaError,
+    ReplicaFailure,
     ReplicaState,
     replica_of_actor,
 )
 from specd.workers.rate_limits import LimitRequestRate, RateLimits
 from specd.workers.reasoning import PARSERS, ReasoningParser
+from specd.workers.request_limits import (
+    LimitRequestSize,
+    document_bodies,
+    json_body,
+    off_loop,
+)
 from specd.workers.responses_api import (
     InvalidItem,
     ResponseEvents,
@@ -228,6 +246,7 @@ class _SessionRoute:
     session_id: str  # the id clients hold
     replica: Replica
     engine_sid: str
+    owner: str | None = None  # the API key (its `key_id`) the session belongs to
 
     def in_gateway_terms(self, delta: GenerateDelta) -> GenerateDelta:
         """A turn's session errors (404, 409, 410) name the field and the gateway's id;
@@ -309,10 +328,24 @@ def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
+def _checked_ids(ids: Sequence[int], vocab: int, param: str) -> list[int]:
+    """``ids`` as a list, each in [0, vocab), else a 400 naming ``param``."""
+    ids = list(ids)
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise ApiError(400, f"{param}: token ids must be in [0, {vocab})", param)
+    return ids
+
+
 class _Api:
     """Route logic shared by the endpoints (kept out of closures to stay testable)."""
 
-    def __init__(self, pool: PoolController, tokenizer: PreTrainedTokenizerBase):
+    def __init__(
+        self,
+        pool: PoolController,
+        tokenizer: PreTrainedTokenizerBase,
+        owners: Owners | None = None,
+    ):
+        self.owners = owners or Owners(keyed=False)
         self.pool = pool
         self.tokenizer = tokenizer
         self._turns: dict[str, _Turn] = {}  # session id -> its latest turn here
@@ -320,6 +353,10 @@ class _Api:
         self._token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
         self._special_ids = frozenset(tokenizer.all_special_ids)  # left out of the text
         self._has_thinking_tags = thinking_tag_ids(tokenizer) is not None
+        # a fast tokenizer's first call resets the truncation and padding its file may
+        # set: done here, before `off_loop` threads share it (a reset while another
+        # thread encodes raises "Already borrowed")
+        tokenizer("")
 
     def logprobs_of(self, delta: GenerateDelta) -> list[RenderedLogprob] | None:
         """``delta``'s log-probs with token texts, or None if the request asked for none."""
@@ -375,14 +412,47 @@ class _Api:
                 "model",
             )
 
-    def completion_prompt(self, body: CompletionRequest | TokenizeRequest) -> list[int]:
-        """Token ids as sent are used verbatim; text is tokenized."""
-        if isinstance(body.prompt, str):
-            return list(self.tokenizer(body.prompt)["input_ids"])
-        return list(body.prompt)
+    def check_fits_context(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: Sequence[int]
+    ) -> None:
+        """A prompt that fills the context is refused here, before it is routed and sent
+        (hashing its blocks and pickling it would hold the event loop for as long as it
+        is big); the engine checks again, with a session's history and its KV pool."""
+        context = self.context_length()
+        if body.session_id is None and len(prompt_ids) >= context:
+            message = (
+                f"prompt: {len(prompt_ids)} tokens do not fit the context length {context} "
+                "(leave room for at least one output token)"
+            )
+            raise ApiError(400, message, "prompt")
 
-    def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """The chat template over ``messages`` (a session turn: the new messages only)."""
+    def check_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """A 400 naming the field of a token id (``stop_token_ids``, a ``logit_bias``
+        key) outside the model's vocabulary: the engine indexes tensors with them."""
+        if (problem := body.out_of_vocab(self.vocab_size())) is not None:
+            raise ApiError(400, problem, _param_of_message(problem))
+
+    def vocab_size(self) -> int:
+        """How many token ids the model has (ids index its tensors), as a ready replica
+        reports it; else the tokenizer's count."""
+        for replica in self.pool.ready():
+            if (vocab := replica.info.get("vocab_size")) is not None:
+                return int(vocab)
+        return len(self.tokenizer)
+
+    async def completion_prompt(self, body: CompletionRequest | TokenizeRequest) -> list[int]:
+        """Token ids as sent are used verbatim (once checked); text is tokenized.  Both
+        run off the event loop: a long prompt takes seconds."""
+        if isinstance(body.prompt, str):
+            return await off_loop(lambda: list(self.tokenizer(body.prompt)["input_ids"]))
+        return await off_loop(_checked_ids, body.prompt, self.vocab_size(), "prompt")
+
+    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """The chat template over ``messages`` (a session turn: the new messages only),
+        rendered and tokenized off the event loop."""
+        return await off_loop(self._chat_prompt, body)
+
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         try:
             return apply_chat_template(
                 self.tokenizer,
@@ -415,21 +485,24 @@ class _Api:
             message = "sessions are disabled on this deployment (set spec.sessions.enabled: true)"
             raise ApiError(400, _about(param, message), param)
 
-    async def session_route(self, session_id: str, param: str | None) -> _SessionRoute:
+    async def session_route(
+        self, session_id: str, param: str | None, owner: str | None = None
+    ) -> _SessionRoute:
         """Where ``session_id`` lives: the replica that opened it, or the one it moved to
-        when that one was retired; 404 if it is no session id, 410 if it is nowhere (its
-        replica died, or no replica could take it)."""
+        when that one was retired; 404 if it is no session id (or not ``owner``'s), 410 if
+        it is nowhere (its replica died, or no replica could take it)."""
         self.check_sessions_enabled(param)
-        parsed = parse_session_token(session_id)
+        token = self.owners.unseal(session_id, owner)
+        parsed = None if token is None else parse_session_token(token)
         if parsed is None:
             raise ApiError(404, _about(param, f"no session {session_id!r}"), param)
         ray_name, engine_sid = parsed
         replica = await self.pool.find_session(ray_name, engine_sid)
         if replica is None:
             raise _session_gone(session_id, ray_name, param)
-        return _SessionRoute(session_id, replica, engine_sid)
+        return _SessionRoute(session_id, replica, engine_sid, owner)
 
-    async def open_session(self) -> SessionObject:
+    async def open_session(self, owner: str | None = None) -> SessionObject:
         """Open a session on the replica the router picks; a replica that is full (429),
         draining or unreachable is skipped for the next one."""
         self.check_sessions_enabled(None)
@@ -445,6 +518,7 @@ class _Api:
                 continue
             if reply.ok:
                 token = session_token(replica.actor_name, reply.session_id)
+                token = self.owners.seal(token, owner)
                 self.pool.session_homes.note_home(reply.session_id, replica.actor_name)
                 self._note_unplaced(token)
                 return SessionObject(id=token, replica=replica.name)
@@ -483,10 +557,10 @@ class _Api:
         pool.note_prompt_served(route.replica, prompt)
         return route
 
-    async def close_session(self, session_id: str) -> SessionDeleted:
+    async def close_session(self, session_id: str, owner: str | None = None) -> SessionDeleted:
         """Close ``session_id`` on its replica (a turn in flight is aborted)."""
+        route = await self.session_route(session_id, None, owner)
         self._unplaced.pop(session_id, None)
-        route = await self.session_route(session_id, None)
         try:
             reply = await self.pool.call(route.replica, "close_session", route.engine_sid)
         except ReplicaError as err:
@@ -508,6 +582,7 @@ class _Api:
         grammar_thinking: str | None = None,
     ) -> Response:
         """``grammar_thinking``: a grammar waits for the thinking (``Grammar.thinking``)."""
+        self.check_fits_context(body, prompt_ids)
         rid = fmt.id_prefix + uuid.uuid4().hex
         params = body.sampling_params(default_max_tokens, self.sampling_defaults(), tool_parser)
         if grammar_thinking is not None and params.grammar is not None:
@@ -516,7 +591,8 @@ class _Api:
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
         else:  # one choice: validated
-            route = await self.session_route(body.session_id, "session_id")
+            owner = self.owners.of(request.headers)
+            route = await self.session_route(body.session_id, "session_id", owner)
             turn = replace(req, session_id=route.engine_sid)
             choices = [self.turn_deltas(turn, route, request)]
         try:
@@ -527,7 +603,10 @@ class _Api:
                 if (failure := _failure(first)) is not None:
                     raise failure
             if getattr(body, "echo", False):
-                firsts = [self._echoed(first, body, prompt_ids) for first in firsts]
+                echo = body.prompt
+                if not isinstance(echo, str):  # its ids decoded: off the loop, it may be long
+                    echo = await off_loop(decode_text, self.tokenizer, prompt_ids, True)
+                firsts = [self._echoed(first, echo, prompt_ids) for first in firsts]
             streams = [_prepend(f, c) for f, c in zip(firsts, choices, strict=True)]
             if body.stream:
                 events = self.stream_events(fmt, rid, streams, body.include_usage)
@@ -540,14 +619,9 @@ class _Api:
             for choice in choices:
                 await choice.aclose()
 
-    def _echoed(
-        self, delta: GenerateDelta, body: CompletionRequest, prompt_ids: list[int]
-    ) -> GenerateDelta:
-        """``echo``: the prompt leads the text (as sent, or its ids decoded) and, with
-        ``logprobs``, the token lists (the engine scored the prompt)."""
-        text = body.prompt
-        if not isinstance(text, str):
-            text = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    def _echoed(self, delta: GenerateDelta, text: str, prompt_ids: list[int]) -> GenerateDelta:
+        """``echo``: the prompt (``text``: as sent, or its ids decoded) leads the text and,
+        with ``logprobs``, the token lists (the engine scored the prompt)."""
         logprobs = None
         if delta.logprobs is not None:
             logprobs = (*delta.prompt_logprobs, *delta.logprobs)
@@ -606,7 +680,7 @@ class _Api:
                         yield route.in_gateway_terms(delta)
                     else:
                         break
-                route = await self.session_route(route.session_id, "session_id")
+                route = await self.session_route(route.session_id, "session_id", route.owner)
         except ApiError as err:
             finished = True
             yield _error_delta(req.rid, err.status, err.message)
@@ -713,6 +787,14 @@ class _Api:
                 await stream.aclose()
 
 
+class _Body:
+    """``_Body[Model]``: a request body parsed and validated off the event loop, with
+    NaN, Infinity and lone surrogates refused (`request_limits.json_body`)."""
+
+    def __class_getitem__(cls, model: type[BaseModel]) -> Any:
+        return Annotated[model, Depends(json_body(model))]
+
+
 def build_app(
     pool: PoolController,
     tokenizer: PreTrainedTokenizerBase,
@@ -720,17 +802,26 @@ def build_app(
     api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The gateway's FastAPI app over ``pool`` (which must be started by the caller);
-    ``admin_token`` guards ``POST /admin/release``, ``api_keys`` (if enabled) the
-    OpenAI endpoints."""
-    app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(pool, tokenizer)
+    ``admin_token`` guards ``POST /admin/*`` (None: every state change is refused),
+    ``api_keys`` (if enabled) the OpenAI endpoints."""
+    app = FastAPI(
+        title="specd",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        responses=error_responses(API_ERROR_STATUSES),
+    )
+    keyed = api_keys is not None and api_keys.enabled
+    owners = Owners(keyed, admin_token)
+    api = _Api(pool, tokenizer, owners)
     release: asyncio.Future[list[str]] | None = None
     metrics = GatewayMetrics()
     limits = RateLimits(lambda: pool.spec.auth.requests_per_minute)
-    keyed = api_keys is not None and api_keys.enabled
+    app.add_middleware(LimitRequestSize, max_bytes=lambda: pool.spec.gateway.max_request_bytes)
     app.add_middleware(LimitRequestRate, limits=limits, per_key=keyed)  # after the key check
     if keyed:
         app.add_middleware(RequireApiKey, keys=api_keys)  # inside CountRequests: 401s count
+    app.add_middleware(GuardAdmin, token=admin_token)  # /admin/* only; refusals count too
     app.add_middleware(CountRequests, metrics=metrics)
     app.state.metrics = metrics
 
@@ -759,25 +850,27 @@ def build_app(
         return error_response(500, f"internal error: {type(exc).__name__}")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: _Body[CompletionRequest], request: Request) -> Response:
         api.check_model(body.model)
+        api.check_token_ids(body)
         await api.replica_ready(request)
         api.context_length()  # 503 before tokenizing when nothing can serve
-        prompt = api.completion_prompt(body)
+        prompt = await api.completion_prompt(body)
         return await api.generate(
             request, body, CompletionFormat(), prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: _Body[ChatCompletionRequest], request: Request) -> Response:
         return await serve_chat(body, request)
 
     async def serve_chat(body: ChatCompletionRequest, request: Request) -> Response:
         """A chat completion (also the Responses API's engine room)."""
         api.check_model(body.model)
+        api.check_token_ids(body)
         await api.replica_ready(request)
         context_length = api.context_length()
-        prompt = api.chat_prompt(body)
+        prompt = await api.chat_prompt(body)
         # OpenAI's chat default: as long as the context allows (the engine stops there)
         default_max_tokens = max(1, context_length - len(prompt))
         choice, parser = body.tool_choice_name(), api.pool.spec.tool_calls.parser
@@ -799,11 +892,12 @@ def build_app(
     stored = ResponseStore()
 
     @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    async def create_response(body: _Body[ResponsesRequest], request: Request) -> Response:
         api.check_model(body.model)
+        owner = owners.of(request.headers)
         history = []
         if body.previous_response_id is not None:
-            if (found := stored.get(body.previous_response_id)) is None:
+            if (found := stored.get(body.previous_response_id, owner)) is None:
                 message = f"no stored response {body.previous_response_id!r} (store: false, deleted, or this gateway restarted)"
                 raise ApiError(404, f"previous_response_id: {message}", "previous_response_id")
             history = found[1]
@@ -826,7 +920,7 @@ def build_app(
                     response = response_object(
                         rid, body, events.output, events.finish, events.usage, created
                     )
-                    stored.put(response, conversation + conversation_after(events.output))
+                    stored.put(response, conversation + conversation_after(events.output), owner)
 
             return StreamingResponse(translated(), media_type="text/event-stream")
         if answer.status_code != 200:
@@ -837,18 +931,19 @@ def build_app(
         usage = chat_answer.get("usage")
         response = response_object(rid, body, output, choice["finish_reason"], usage, created)
         if body.store:
-            stored.put(response, conversation + conversation_after(output))
+            stored.put(response, conversation + conversation_after(output), owner)
         return JSONResponse(response)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> JSONResponse:
-        if (found := stored.get(response_id)) is None:
+    async def get_response(response_id: str, request: Request) -> JSONResponse:
+        owner = owners.of(request.headers)
+        if (found := stored.get(response_id, owner)) is None:
             raise ApiError(404, f"no stored response {response_id!r}")
         return JSONResponse(found[0])
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> JSONResponse:
-        if not stored.delete(response_id):
+    async def delete_response(response_id: str, request: Request) -> JSONResponse:
+        if not stored.delete(response_id, owners.of(request.headers)):
             raise ApiError(404, f"no stored response {response_id!r}")
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -856,27 +951,33 @@ def build_app(
     async def open_session(request: Request) -> Response:
         api.check_sessions_enabled(None)
         await api.replica_ready(request)
-        return _json(await api.open_session())
+        return _json(await api.open_session(owners.of(request.headers)))
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close_session(session_id: str) -> Response:
-        return _json(await api.close_session(session_id))
+    async def close_session(session_id: str, request: Request) -> Response:
+        owner = owners.of(request.headers)
+        return _json(await api.close_session(session_id, owner))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(body: _Body[TokenizeRequest]) -> Response:
         api.check_model(body.model)
-        tokens = api.chat_prompt(body) if body.messages is not None else api.completion_prompt(body)
-        return _json(
-            TokenizeResponse(count=len(tokens), max_model_len=api.max_model_len(), tokens=tokens)
+        if body.messages is not None:
+            tokens = await api.chat_prompt(body)
+        else:
+            tokens = await api.completion_prompt(body)
+        answer = functools.partial(
+            TokenizeResponse, count=len(tokens), max_model_len=api.max_model_len(), tokens=tokens
         )
+        return await off_loop(lambda: _json(answer()))  # a long prompt: many ids to write
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
+    async def detokenize(body: _Body[DetokenizeRequest]) -> Response:
         api.check_model(body.model)
-        vocab = len(tokenizer)
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
-        return _json(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)))
+
+        def text() -> str:
+            return decode_text(tokenizer, _checked_ids(body.tokens, len(tokenizer), "tokens"))
+
+        return _json(DetokenizeResponse(prompt=await off_loop(text)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -900,6 +1001,12 @@ def build_app(
             "desired_replicas": pool.desired_replicas,
             "unhealthy_replicas": unhealthy,
         }
+        if (failure := pool.current_failure()) is not None:  # no replica will start
+            body["reason"] = f"replica {failure.replica} failed to load: {failure.message}"
+        elif not ok:
+            body["reason"] = "no replica is ready yet"
+            if unhealthy:
+                body["reason"] = f"engine unhealthy on {', '.join(unhealthy)}"
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -908,19 +1015,18 @@ def build_app(
         text = merge_expositions(await pool.metrics_texts(), metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/status")
+    @app.get("/admin/status", responses=error_responses(ADMIN_ERROR_STATUSES))
     async def admin_status() -> JSONResponse:
         return JSONResponse(pool.status())
 
-    @app.post("/admin/release")
-    async def admin_release(request: Request) -> JSONResponse:
+    @app.post("/admin/release", responses=error_responses(ADMIN_ERROR_STATUSES))
+    async def admin_release() -> JSONResponse:  # token, content type, Origin: GuardAdmin
         nonlocal release
-        if admin_token and not _bearer_matches(request, admin_token):
-            raise ApiError(401, "POST /admin/release needs 'Authorization: Bearer <admin token>'")
         if release is None:  # concurrent and repeated calls share the one release
             release = asyncio.ensure_future(pool.stop())
         return JSONResponse({"released": await asyncio.shield(release)})
 
+    document_bodies(app)
     return app
 
 
@@ -972,11 +1078,6 @@ def _in_responses_terms(err: ApiError, body: ResponsesRequest, history: int) -> 
     return ApiError(err.status, err.message.replace(err.param, param, 1), param)
 
 
-def _bearer_matches(request: Request, token: str) -> bool:
-    given = bearer_token(request.headers.get("authorization", ""))
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
-
-
 # -- the serving process --------------------------------------------------------------
 
 
@@ -996,7 +1097,10 @@ class Gateway:
     local Ray; an already initialized Ray (tests) is used as is and left running.
     SIGINT/SIGTERM (or `stop`) stop accepting connections, let open requests finish
     (up to ``drain_timeout_s``), then, by ``on_stop``, drain and kill the actors
-    (``release``) or leave them to the next gateway (``detach``).
+    (``release``) or leave them to the next gateway (``detach``).  With
+    ``stop_on_failure`` (``specd serve``) it also stops when no replica is ready and the
+    pool gave up loading the model (``failure``); the gateway pod keeps running and
+    reports it in /health and /admin/status instead.
     """
 
     def __init__(
@@ -1012,6 +1116,7 @@ class Gateway:
         admin_token: str | None = None,
         api_keys: ApiKeys | None = None,
         pool_options: dict[str, Any] | None = None,
+        stop_on_failure: bool = False,
     ):
         self.spec = spec
         self.name, self.namespace = name, namespace
@@ -1019,6 +1124,8 @@ class Gateway:
         self.drain_timeout_s = drain_timeout_s
         self.on_stop, self.admin_token, self.api_keys = on_stop, admin_token, api_keys
         self.pool_options = pool_options or {}
+        self.stop_on_failure = stop_on_failure
+        self.failure: ReplicaFailure | None = None  # why `stop_on_failure` stopped it
         self.pool: PoolController | None = None
         self.url: str | None = None
         self.listening = threading.Event()  # set once `url` is known
@@ -1052,6 +1159,9 @@ class Gateway:
                     self.loop.add_signal_handler(sig, self.stop)
             await self.pool.start()
             serving = asyncio.create_task(self._server.serve())
+            if self.stop_on_failure:
+                watcher = asyncio.create_task(self._stop_when_failed())
+                serving.add_done_callback(lambda _: watcher.cancel())
             await self._announce(serving, on_ready)
             await serving
         finally:
@@ -1061,6 +1171,15 @@ class Gateway:
                 await self.pool.stop(self.drain_timeout_s)
             if owns_ray:
                 ray.shutdown()
+
+    async def _stop_when_failed(self) -> None:
+        """Stop once no replica is ready and none will be started (the pool's
+        `ReplicaFailure`); ``failure`` then says why."""
+        while (failure := self.pool.current_failure()) is None or self.pool.ready():
+            await asyncio.sleep(0.1)
+        log.error("gateway %s: replica %s failed: %s", self.name, failure.replica, failure.message)
+        self.failure = failure
+        self.stop()
 
     def stop(self) -> None:
         """Begin a graceful shutdown (a second call forces it); thread-safe."""

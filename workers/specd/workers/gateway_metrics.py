@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.workers.pool import PoolController, ReplicaState
+from specd.workers.pool import DeathReason, PoolController, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class _Families:
 
 class _RoutingCounts:
     """The pool's counts as counters, read at scrape: routing (`PoolController.route`),
-    session moves (`SessionHomes.outcomes`) and placements (`SessionHomes.placements`)."""
+    session moves (`SessionHomes.outcomes`), placements (`SessionHomes.placements`),
+    replica deaths (`DeathReason`) and the leak-check failures of replicas gone."""
 
     def __init__(self) -> None:
         self.pool: PoolController | None = None
@@ -160,7 +161,25 @@ class _RoutingCounts:
         )
         for outcome in ("moved", "refused", "stayed", "ended"):
             placements.add_metric([outcome], self.pool.session_homes.placements[outcome])
-        return [routed, hits, moves, placements]
+        return [routed, hits, moves, placements, *self._replica_losses()]
+
+    def _replica_losses(self) -> list[Metric]:
+        deaths = CounterMetricFamily(
+            "specd_replica_deaths",
+            "Replicas that died, by reason: engine_error (its engine loop died), load_error "
+            "(it did not start), probe_timeout (no answer to a health probe), actor_died "
+            "(its process is gone), killed (ray.kill); each is replaced",
+            labels=["reason"],
+        )
+        for reason in DeathReason:
+            deaths.add_metric([reason.value], self.pool.deaths[reason])
+        retired = CounterMetricFamily(
+            "specd_retired_leak_check_failures",
+            "KV leak-check failures of replicas no longer in the pool (dead or retired), as "
+            "last reported: their specd_leak_checks_total series end with them",
+            value=self.pool.retired_leak_check_failures,
+        )
+        return [deaths, retired]
 
 
 class CountRequests:

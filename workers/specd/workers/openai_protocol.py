@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, Self
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Self
 
 from pydantic import (
     BaseModel,
@@ -30,7 +30,14 @@ from pydantic import (
 )
 
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
-from specd.workers.engine.types import Grammar, SamplingParams, TokenLogprob
+from specd.workers.engine.types import (
+    MAX_TOP_K,
+    REPETITION_PENALTY_RANGE,
+    SEED_RANGE,
+    Grammar,
+    SamplingParams,
+    TokenLogprob,
+)
 from specd.workers.engine.types import Usage as EngineUsage
 from specd.workers.model.config import GENERATION_SAMPLING_KEYS  # what defaults can fill
 from specd.workers.reasoning import ReasoningParser, ReasoningStream
@@ -38,6 +45,11 @@ from specd.workers.tool_calls import NO_PARAMETERS, ToolCall, ToolCallReader, to
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_CHOICES = 32  # n: each choice is a request of its own (its prompt prefilled again)
+# max_tokens and min_tokens: far past any context length (the engine stops there), and
+# within int32 wherever a count meets a tensor
+MAX_TOKENS = 2**31 - 1
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: a token id below 2**31 (then < the vocabulary)
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # and < the vocabulary: `out_of_vocab`
 
 FinishReasonName = Literal["stop", "length", "tool_calls"]
 
@@ -126,15 +138,15 @@ class _GenerationRequest(_Lenient):
     _NO_OP: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(
-        -1, ge=-1, description="Extension: sample from the k most likely (-1, 0: off)"
+        -1, ge=-1, le=MAX_TOP_K, description="Extension: sample from the k most likely (-1, 0: off)"
     )
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = Field(
+    stop_token_ids: tuple[TokenId, ...] = Field(
         (), description="Extension: token ids that end the output"
     )
     ignore_eos: bool = Field(False, description="Extension: keep going past end-of-sequence")
@@ -158,13 +170,19 @@ class _GenerationRequest(_Lenient):
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
     repetition_penalty: float = Field(
-        1.0, gt=0, description="Extension: > 1 discourages prompt and output tokens (1: off)"
+        1.0,
+        ge=REPETITION_PENALTY_RANGE[0],
+        le=REPETITION_PENALTY_RANGE[1],
+        description="Extension: > 1 discourages prompt and output tokens (1: off)",
     )
     min_p: float = Field(
         0.0, ge=0, le=1, description="Extension: drop tokens below min_p * the top probability"
     )
     min_tokens: int = Field(
-        0, ge=0, description="Extension: hold back EOS and stop_token_ids until this many"
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Extension: hold back EOS and stop_token_ids until this many",
     )
     response_format: ResponseFormatParam | None = None
     regex: str | None = Field(
@@ -185,7 +203,8 @@ class _GenerationRequest(_Lenient):
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            # ASCII digits only: str.isdigit() also takes "²" and "١٢", which int() refuses
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
                 raise ValueError(f'key {key!r} is not a token id (send ids as strings: "1234")')
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias {bias} of token {key} is not in [-100, 100]")
@@ -212,7 +231,21 @@ class _GenerationRequest(_Lenient):
     def _one_choice_per_turn(cls, value: int, info: ValidationInfo) -> int:
         if value > 1 and info.data.get("session_id") is not None:
             raise ValueError("a session turn continues one conversation; send n=1")
+        seed = info.data.get("seed")  # choice i samples with seed + i (`parallel_choices`)
+        if seed is not None and seed + value - 1 > SEED_RANGE[1]:
+            raise ValueError(f"choice i samples with seed + i, which must be <= {SEED_RANGE[1]}")
         return value
+
+    def out_of_vocab(self, vocab: int) -> str | None:
+        """``"field: ..."`` for the first token id outside [0, vocab) (the model's ids),
+        if any; the engine indexes its tensors with them."""
+        for token in self.stop_token_ids:
+            if token >= vocab:
+                return f"stop_token_ids: token id {token} is not in [0, {vocab})"
+        for key in self.logit_bias or {}:
+            if int(key) >= vocab:
+                return f"logit_bias: token id {key} is not in [0, {vocab})"
+        return None
 
     @field_validator("*")
     @classmethod
@@ -434,7 +467,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolParam] | None = None
@@ -762,6 +795,29 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# The statuses the gateway answers with besides 200, as its OpenAPI document lists them
+# (``/openapi.json``; the fuzz test holds the gateway to it).
+API_ERROR_STATUSES = {
+    400: "invalid request: the message names the field",
+    401: "missing or unknown API key",
+    404: "unknown model, session or stored response",
+    409: "a session turn is already in flight",
+    410: "the session was closed or has expired",
+    413: "request body over the size limit",
+    429: "rate limit, or too many open sessions",
+    503: "no replica ready, or the replica is draining",
+}
+ADMIN_ERROR_STATUSES = {
+    403: "a browser request (it has an Origin header)",
+    415: "a state change without Content-Type: application/json",
+}
+
+
+def error_responses(statuses: dict[int, str]) -> dict[int | str, dict]:
+    """FastAPI ``responses=`` for these statuses, each an OpenAI-shaped error body."""
+    return {code: {"model": ErrorResponse, "description": why} for code, why in statuses.items()}
 
 
 _ERROR_TYPES = {

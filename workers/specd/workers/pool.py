@@ -15,6 +15,14 @@ drain old -> kill old.  A drained replica's idle sessions move to the others bef
 killed, with their KV (`session_homes`), so no conversation is lost to a roll or a
 scale-down.  With ``spec.autoscaling`` the count to keep is the `Autoscaler`'s, fed
 the streams open on the replicas at every probe.
+
+A ready replica is also watched (`EngineActor.wait_unhealthy`): an engine loop that
+dies, or an actor that goes, marks it dead at once, not at the next probe.  Every death
+is counted by `DeathReason`, and a replica that leaves the pool leaves its last
+leak-check failure count in ``retired_leak_check_failures`` (its own series leave
+``/metrics`` with it).  A model that fails to load with the same `ReplicaLoadError` twice
+in a row (an unsupported architecture, a missing tensor) is a `ReplicaFailure`: no
+replica of that config hash is started again until the spec changes.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from specd.workers.actor import create_engine_actor
+from specd.workers.actor import ReplicaLoadError, create_engine_actor
 from specd.workers.autoscaler import Autoscaler
 from specd.workers.config import DeploymentSpec
-from specd.workers.engine.types import GenerateDelta, GenerateRequest
+from specd.workers.engine.types import FinishReason, GenerateDelta, GenerateRequest
 from specd.workers.prefix_affinity import CacheShape, PrefixAffinity, PromptBlocks
 from specd.workers.router import ReplicaLoad, RouteReason, pick_for_prompt, pick_replica
 from specd.workers.session_homes import SessionHomes
@@ -55,6 +63,43 @@ class ReplicaState(str, Enum):
     READY = "ready"
     DRAINING = "draining"
     DEAD = "dead"
+
+
+class DeathReason(str, Enum):
+    """Why a replica died (``specd_replica_deaths_total{reason}``)."""
+
+    ENGINE_ERROR = "engine_error"  # its engine loop died (or a probe's call raised)
+    LOAD_ERROR = "load_error"  # it did not start: its model did not load, or not in time
+    PROBE_TIMEOUT = "probe_timeout"  # no answer to a health probe in time
+    ACTOR_DIED = "actor_died"  # its actor process is gone (a crash, a lost node)
+    KILLED = "killed"  # its actor was killed from outside (``ray.kill``)
+
+
+def death_reason(err: RayError) -> DeathReason:
+    """The `DeathReason` of a Ray failure: an actor gone (killed, which only Ray's
+    message tells, or died), else a call that raised in the engine."""
+    if not isinstance(err, RayActorError):
+        return DeathReason.ENGINE_ERROR
+    return DeathReason.KILLED if "killed by `ray.kill`" in str(err) else DeathReason.ACTOR_DIED
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFailure:
+    """The same `ReplicaLoadError` twice in a row for ``config_hash``: no replica of
+    it is started again (a new config hash clears it)."""
+
+    config_hash: str
+    replica: str  # the replica that failed second
+    message: str
+    time: float
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "config_hash": self.config_hash,
+            "replica": self.replica,
+            "message": self.message,
+            "time": self.time,
+        }
 
 
 class ReplicaError(RuntimeError):
@@ -209,6 +254,10 @@ class PoolController:
         self._monitor: asyncio.Task | None = None
         self._start_failures = 0
         self._next_start_at = 0.0
+        self._last_load_error: tuple[str, str] | None = None  # (config hash, message)
+        self.failure: ReplicaFailure | None = None  # see `current_failure`
+        self.deaths: Counter[DeathReason] = Counter()
+        self.retired_leak_check_failures = 0  # last known counts of replicas now gone
         self.events: deque[dict[str, Any]] = deque(maxlen=50)
         self.affinity = PrefixAffinity()  # what each replica likely has cached
         # prompts routed, by (replica, `RouteReason`); prompt tokens predicted cached there
@@ -283,6 +332,7 @@ class PoolController:
                 self._kill(replica)
                 continue
             self._replicas[replica.name] = replica
+            self._spawn(self._watch(replica))
             self._event(replica.name, "adopted", f"actor {ray_name}, config {replica.config_hash}")
         numbers = [int(n[1:]) for n in self._replicas if n[1:].isdigit()]
         self._seq = itertools.count(max(numbers, default=-1) + 1)
@@ -301,7 +351,8 @@ class PoolController:
             )
         )
         released = list(self._replicas)
-        self._replicas.clear()
+        for name in released:
+            self._forget(name)
         return released
 
     def update_spec(self, spec: DeploymentSpec) -> None:
@@ -309,6 +360,9 @@ class PoolController:
         autoscaling: the count set by hand is taken, and the autoscaler goes on from it)."""
         if spec.config_hash() != self.spec.config_hash():
             self._event("-", "rolling update", f"{self.spec.config_hash()} -> {spec.config_hash()}")
+            # a new config may load: start it at once, and give up only on its own errors
+            self.failure, self._last_load_error = None, None
+            self._start_failures, self._next_start_at = 0, 0.0
         by_hand = spec.replicas if spec.replicas != self.spec.replicas else None
         if spec.autoscaling is None:
             self.autoscaler = None
@@ -423,6 +477,14 @@ class PoolController:
             totals[reason] += count
         return dict(totals)
 
+    def _forget(self, name: str) -> Replica:
+        """Replica ``name`` left the pool: its last leak-check failure count stays in
+        the pool's; its routing records go."""
+        replica = self._replicas.pop(name)
+        self.retired_leak_check_failures += int(replica.load.get("leak_check_failures", 0))
+        self._forget_routing(name)
+        return replica
+
     def _forget_routing(self, name: str) -> None:
         """Replica ``name`` left the pool: its prefix record and routing counts go."""
         self.affinity.forget(name)
@@ -461,6 +523,8 @@ class PoolController:
             async for ref in gen:
                 delta: GenerateDelta = await ref
                 finished = delta.finished
+                if delta.finish_reason is FinishReason.ERROR and (delta.error_code or 500) >= 500:
+                    self._kick()  # the engine may have failed: probe now
                 yield delta
         except RayError as err:
             raise self._replica_error(replica, err, "the request") from err
@@ -472,7 +536,7 @@ class PoolController:
     def _replica_error(self, replica: Replica, err: RayError, doing: str) -> ReplicaError:
         """The `ReplicaError` for a Ray failure; a dead actor is marked dead (``lost``)."""
         if isinstance(err, RayActorError):
-            self.mark_dead(replica, f"died while serving: {_describe(err)}")
+            self.mark_dead(replica, f"died while serving: {_describe(err)}", death_reason(err))
             return ReplicaError(
                 replica.name, f"replica {replica.name} died while serving {doing}", lost=True
             )
@@ -480,12 +544,13 @@ class PoolController:
             replica.name, f"replica {replica.name} failed: {_describe(err)}", lost=False
         )
 
-    def mark_dead(self, replica: Replica, reason: str) -> None:
+    def mark_dead(self, replica: Replica, reason: str, cause: DeathReason) -> None:
         """Stop routing to ``replica``, kill its actor, and let reconcile replace it."""
         if replica.state is ReplicaState.DEAD:
             return
         replica.state = ReplicaState.DEAD
         replica.error = reason
+        self.deaths[cause] += 1
         self._event(replica.name, "dead", reason)
         self._kill(replica)
         self._kick()
@@ -518,8 +583,16 @@ class PoolController:
                     "held_requests": self.held_requests,
                 }
             ),
+            "failure": None if (failure := self.current_failure()) is None else failure.summary(),
+            "replica_deaths": {reason.value: self.deaths[reason] for reason in DeathReason},
+            "retired_leak_check_failures": self.retired_leak_check_failures,
             "events": list(self.events),
         }
+
+    def current_failure(self) -> ReplicaFailure | None:
+        """The `ReplicaFailure` that holds back starts of the current config, if any."""
+        failure = self.failure
+        return failure if failure and failure.config_hash == self.spec.config_hash() else None
 
     async def metrics_texts(self, timeout_s: float = 5.0) -> list[str]:
         """Every live actor's Prometheus exposition (actors that do not answer are skipped)."""
@@ -562,13 +635,44 @@ class PoolController:
         try:
             status = await asyncio.wait_for(replica.handle.status.remote(), self.probe_timeout_s)
         except TimeoutError:
-            self.mark_dead(replica, f"no answer to a health probe within {self.probe_timeout_s:g}s")
+            self.mark_dead(
+                replica,
+                f"no answer to a health probe within {self.probe_timeout_s:g}s",
+                DeathReason.PROBE_TIMEOUT,
+            )
         except RayError as err:
-            self.mark_dead(replica, _describe(err))
+            self.mark_dead(replica, _describe(err), death_reason(err))
         else:
             self.note_status(replica, status)
             if not replica.healthy:
-                self.mark_dead(replica, f"engine unhealthy: {replica.load.get('last_error')}")
+                self._engine_failed(replica)
+
+    async def _watch(self, replica: Replica) -> None:
+        """Mark ``replica`` dead the moment its engine loop dies or its actor goes
+        (`EngineActor.wait_unhealthy`), not at the next probe.  An adopted actor of
+        an older version, without that method, is left to the probes."""
+        try:
+            ref = replica.handle.wait_unhealthy.remote()
+        except AttributeError:
+            return
+        try:
+            status = await ref
+        except asyncio.CancelledError:  # detached or stopped: end the wait in the actor
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            raise
+        except RayActorError as err:  # killed, retired or crashed (a no-op once marked dead)
+            self.mark_dead(replica, _describe(err), death_reason(err))
+            return
+        except RayError:
+            return  # the call failed, not the actor: the probes go on
+        self.note_status(replica, status)
+        self._engine_failed(replica)
+
+    def _engine_failed(self, replica: Replica) -> None:
+        self.mark_dead(
+            replica, f"engine unhealthy: {replica.load.get('last_error')}", DeathReason.ENGINE_ERROR
+        )
 
     def note_status(self, replica: Replica, status: dict[str, Any]) -> None:
         """A probe's answer: the replica's load, and the blocks its prefix cache evicted
@@ -624,13 +728,12 @@ class PoolController:
     def _reconcile(self) -> None:
         """One synchronous pass: forget the dead, then launch starts and retirements."""
         for name in [n for n, r in self._replicas.items() if r.state is ReplicaState.DEAD]:
-            self._replaced_restarts.append(self._replicas.pop(name).restarts + 1)
-            self._forget_routing(name)
+            self._replaced_restarts.append(self._forget(name).restarts + 1)
         plan = plan_reconcile(
             list(self._replicas.values()),
             self.desired_replicas,
             self.spec.config_hash(),
-            can_start=time.monotonic() >= self._next_start_at,
+            can_start=time.monotonic() >= self._next_start_at and self.current_failure() is None,
         )
         for _ in range(plan.start):
             restarts = self._replaced_restarts.popleft() if self._replaced_restarts else 0
@@ -659,22 +762,39 @@ class PoolController:
             replica.load = await asyncio.wait_for(
                 replica.handle.status.remote(), self.probe_timeout_s
             )
+        except ReplicaLoadError as err:
+            self._start_failed(replica, err.message, load_error=True)
+            return
         except (TimeoutError, RayError) as err:
-            if replica.state is not ReplicaState.STARTING:
-                return  # retired while starting: not a start failure
-            self._start_failures += 1
-            backoff = min(MAX_START_BACKOFF_S, 2.0**self._start_failures)
-            self._next_start_at = time.monotonic() + backoff
             reason = "timed out" if isinstance(err, asyncio.TimeoutError) else _describe(err)
-            self.mark_dead(replica, f"failed to start ({reason}); next try in {backoff:g}s")
+            self._start_failed(replica, reason, load_error=False)
             return
         if replica.state is ReplicaState.STARTING:
             replica.state = ReplicaState.READY
-            self._start_failures = 0
+            self._start_failures, self._last_load_error = 0, None
+            self._spawn(self._watch(replica))
             self._event(
                 replica.name, "ready", f"context length {replica.info.get('context_length')}"
             )
         self._kick()
+
+    def _start_failed(self, replica: Replica, reason: str, *, load_error: bool) -> None:
+        """Back off before the next start; the same ``load_error`` twice in a row for
+        the current config is a `ReplicaFailure` (no next start).  Anything else (a
+        timeout, a lost node) may pass: it is retried."""
+        if replica.state is not ReplicaState.STARTING:
+            return  # retired while starting: not a start failure
+        self._start_failures += 1
+        backoff = min(MAX_START_BACKOFF_S, 2.0**self._start_failures)
+        self._next_start_at = time.monotonic() + backoff
+        seen = (replica.config_hash, reason)
+        if load_error and seen == self._last_load_error:
+            self.failure = ReplicaFailure(replica.config_hash, replica.name, reason, time.time())
+            then = "not restarted until the spec changes"
+        else:
+            self._last_load_error = seen if load_error else None
+            then = f"next try in {backoff:g}s"
+        self.mark_dead(replica, f"failed to start ({reason}); {then}", DeathReason.LOAD_ERROR)
 
     async def _retire(self, replica: Replica, timeout_s: float) -> None:
         """Drain (a ready replica) then kill; in-flight requests get ``timeout_s`` to finish."""
@@ -685,6 +805,7 @@ class PoolController:
             self.session_homes.begin_leaving(replica.actor_name)
             try:
                 await self._drain(replica, timeout_s)
+                await self._last_status(replica)
                 if not self.released:
                     await self._move_sessions(replica)
             finally:
@@ -704,6 +825,12 @@ class PoolController:
             left = f"unknown ({_describe(err)})"
         if left:
             self._event(replica.name, "drain timeout", f"{left} requests still running are cut off")
+
+    async def _last_status(self, replica: Replica) -> None:
+        """A drained replica's final status (its leak checks counted to the end)."""
+        with contextlib.suppress(TimeoutError, RayError):
+            status = await asyncio.wait_for(replica.handle.status.remote(), self.probe_timeout_s)
+            self.note_status(replica, status)
 
     async def _move_sessions(self, replica: Replica) -> None:
         """Move drained ``replica``'s idle sessions to the replicas new sessions would

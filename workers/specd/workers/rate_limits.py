@@ -13,14 +13,13 @@ the key itself.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specd.workers.api_keys import bearer_token, needs_key, send_error
+from specd.workers.api_keys import bearer_token, key_id, needs_key, send_error
 
 
 @dataclass(slots=True)
@@ -52,17 +51,13 @@ class RateLimits:
         if limit is None:
             return None
         now, rate = self.clock(), limit / 60.0
-        bucket = self._buckets.setdefault(_digest(key), _Bucket(float(limit), now))
+        bucket = self._buckets.setdefault(key_id(key), _Bucket(float(limit), now))
         bucket.requests = min(float(limit), bucket.requests + (now - bucket.stamp) * rate)
         bucket.stamp = now
         if bucket.requests < 1:
             return Verdict(False, limit, 0, (1 - bucket.requests) / rate)
         bucket.requests -= 1
         return Verdict(True, limit, int(bucket.requests), (limit - bucket.requests) / rate)
-
-
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def rate_headers(verdict: Verdict) -> list[tuple[bytes, bytes]]:

@@ -283,22 +283,30 @@ def conversation_after(output: list[dict]) -> list[dict[str, Any]]:
 
 
 class ResponseStore:
-    """Stored responses and their conversations (newest `MAX_STORED`, in memory)."""
+    """Stored responses and their conversations (newest `MAX_STORED`, in memory), each
+    with its owner (`ownership.Owners.of`: None without API keys).  Another owner finds
+    nothing, exactly as for an unknown id."""
 
     def __init__(self, capacity: int = MAX_STORED):
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[dict, list[dict], str | None]] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (response, conversation)
+    def put(self, response: dict, conversation: list[dict], owner: str | None = None) -> None:
+        self._items[response["id"]] = (response, conversation, owner)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
-        return self._items.get(rid)
+    def get(self, rid: str, owner: str | None = None) -> tuple[dict, list[dict]] | None:
+        item = self._items.get(rid)
+        if item is None or item[2] != owner:
+            return None
+        return item[0], item[1]
 
-    def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+    def delete(self, rid: str, owner: str | None = None) -> bool:
+        if self.get(rid, owner) is None:
+            return False
+        del self._items[rid]
+        return True
 
 
 # -- streaming --------------------------------------------------------------------------

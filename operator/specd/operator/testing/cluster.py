@@ -52,7 +52,8 @@ def kopf_in_thread(ctx: OperatorContext, namespace: str = NAMESPACE) -> Iterator
 
 class FakeGateway:
     """Serves ``/{namespace}/{name}/admin/status`` from documents the test sets, and
-    ``POST .../admin/release`` (records the call, empties the document's actors)."""
+    ``POST .../admin/release`` (JSON only; records the call and its Authorization,
+    empties the document's actors)."""
 
     def __init__(self) -> None:
         self.docs: dict[tuple[str, str], dict[str, Any]] = {}
@@ -74,6 +75,8 @@ class FakeGateway:
         key = (request.match_info["namespace"], request.match_info["name"])
         if key not in self.docs:
             return aiohttp.web.json_response({"error": "not up"}, status=503)
+        if request.content_type != "application/json":  # as the real gateway (GuardAdmin)
+            return aiohttp.web.json_response({"error": "needs JSON"}, status=415)
         self.releases.append((key, request.headers.get("Authorization", "")))
         released = [a["name"] for a in self.docs[key].get("actors", [])]
         self.docs[key] = {**self.docs[key], "actors": [], "released": True}
@@ -114,6 +117,7 @@ class Cluster:
         kube = self.kube
         self.sdd = kube.install_crd(build_crd())
         self.configmaps = kube.serve("", "v1", "configmaps", "ConfigMap")
+        self.secrets = kube.serve("", "v1", "secrets", "Secret")
         self.services = kube.serve("", "v1", "services", "Service")
         self.events = kube.serve("", "v1", "events", "Event")
         kube.serve("", "v1", "namespaces", "Namespace", namespaced=False)

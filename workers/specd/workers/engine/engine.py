@@ -31,6 +31,8 @@ from specd.workers.engine.logits_processors import LogitsProcessors, check_proce
 from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS
 from specd.workers.engine.model_runner import LaunchedStep, ModelRunner
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
+from specd.workers.engine.request_faults import unusable_row_message
+from specd.workers.engine.sampling import check_sampling_params
 from specd.workers.engine.session_moves import SessionMover, kv_layout_of, vocabulary_of
 from specd.workers.engine.structured_output import Grammars, check_grammar_params
 from specd.workers.engine.types import (
@@ -410,6 +412,7 @@ class Engine:
             raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})")
         if req.params.max_tokens < 1:
             raise InvalidRequest("max_tokens: must be at least 1")
+        check_sampling_params(req.params, vocab)
         check_processor_params(req.params, vocab)
         check_grammar_params(req.params)
         for name in ("logprobs", "prompt_logprobs"):
@@ -675,7 +678,9 @@ class Engine:
         return out.wait() if isinstance(out, LaunchedStep) else out
 
     def _process(self, batch: ScheduledBatch, out) -> None:
-        """Host side of a computed batch: resolve, stop rules, metrics, emit."""
+        """Host side of a computed batch: fail the requests that failed alone, then
+        resolve, stop rules, metrics, emit."""
+        self._fail_faulted(batch, out)
         if batch.verify:
             self._process_verify(batch, out)
             return
@@ -694,6 +699,21 @@ class Engine:
             plain_by_load=by_load,
             extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
         )
+
+    def _fail_faulted(self, batch: ScheduledBatch, out) -> None:
+        """Finish with an error each request of ``batch`` that failed alone
+        (``request_faults.py``): its KV is freed as on an abort, its result dropped, and
+        the batch's other requests go on."""
+        flagged = batch.reqs if batch.verify else batch.sampled_reqs
+        for i in out.unusable if batch.verify else out.unusable_rows:
+            flagged[i].fault = unusable_row_message(flagged[i])  # the clearer cause wins
+        for req in batch.reqs:
+            if req.fault is None or req.finished:
+                continue
+            self.scheduler.finish(req, FinishReason.ERROR)
+            own = req.params.grammar is not None and req.fault.startswith(req.params.grammar.field)
+            req.error, req.error_code = req.fault, 400 if own else 500
+            self.outputs.emit(req)
 
     def _settle_pending(self) -> None:
         """Shutdown or failure: let the step in flight finish and account it, so its

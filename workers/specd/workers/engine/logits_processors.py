@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from specd.kernels.ops import host_tensor
+from specd.workers.engine.request_faults import contained
 from specd.workers.engine.structured_output import GrammarState, mask_rows
-from specd.workers.engine.types import InvalidRequest, SamplingParams
+from specd.workers.engine.types import REPETITION_PENALTY_RANGE, InvalidRequest, SamplingParams
 from specd.workers.scheduler.request import Req
 from specd.workers.scheduler.stop import stop_token_ids
 from specd.workers.speculative.tree import DraftTree
@@ -60,8 +61,9 @@ def processes_logits(params: SamplingParams) -> bool:
 
 def check_processor_params(params: SamplingParams, vocab: int) -> None:
     """Raise ``InvalidRequest`` naming the field of a value the processors cannot take."""
-    if not params.repetition_penalty > 0:
-        raise InvalidRequest("repetition_penalty: must be > 0 (1: off)")
+    lo, hi = REPETITION_PENALTY_RANGE
+    if not lo <= params.repetition_penalty <= hi:
+        raise InvalidRequest(f"repetition_penalty: must be in [{lo:g}, {hi:g}] (1: off)")
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2 <= getattr(params, name) <= 2:
             raise InvalidRequest(f"{name}: must be in [-2, 2]")
@@ -210,12 +212,18 @@ class LogitsProcessors:
         for b in asking:
             req = reqs[b]
             if processes_logits(req.params):
-                st = self.state(req, logits.shape[-1], logits.device)
-                counts, generated = counts_of(st, b)
-                out[b] = process_rows(logits[b], req.params, st, counts, generated)
-        constrained = [b for b in asking if reqs[b].grammar is not None]
+                with contained(req, "logits processors"):
+                    st = self.state(req, logits.shape[-1], logits.device)
+                    counts, generated = counts_of(st, b)
+                    out[b] = process_rows(logits[b], req.params, st, counts, generated)
+        constrained, masks = [], []
+        for b in asking:
+            if (grammar := reqs[b].grammar) is not None and reqs[b].fault is None:
+                with contained(reqs[b], "structured output"):
+                    masks.append(masks_of(grammar, b))
+                    constrained.append(b)
         if constrained:
-            mask_rows(out, constrained, [masks_of(reqs[b].grammar, b) for b in constrained])
+            mask_rows(out, constrained, masks)
         return out
 
     def record(self, reqs: Sequence[Req], tokens: torch.Tensor | Sequence[Sequence[int]]) -> None:
@@ -227,7 +235,9 @@ class LogitsProcessors:
                 if host is None:
                     one_each = isinstance(tokens, torch.Tensor)
                     host = [[t] for t in tokens.tolist()] if one_each else tokens
-                req.grammar.advance(host[i])
+                if req.fault is None:  # a faulted request's token is a stand-in
+                    with contained(req, "structured output"):
+                        req.grammar.advance(host[i])
             st = req.logits_state
             if st is None:
                 continue

@@ -77,17 +77,20 @@ class ComputedStep:
     prompt_logprobs: tuple = ()
     hidden: torch.Tensor | None = None
     aux: Any = None
+    unusable: torch.Tensor | None = None  # [num_sampled] bool: rows nothing could be sampled from
 
     def to_host(self) -> RunnerOutput:
         per_request = (
             () if self.logprobs is None else self.logprobs.per_request(self.tokens.numel())
         )
+        unusable = () if self.unusable is None else self.unusable.nonzero().flatten().tolist()
         return RunnerOutput(
             tuple(self.tokens.tolist()),
             hidden=self.hidden,
             aux=self.aux,
             logprobs=per_request,
             prompt_logprobs=self.prompt_logprobs,
+            unusable_rows=tuple(unusable),
         )
 
 
@@ -200,6 +203,9 @@ class ModelRunner:
             return LaunchedStep(out)
         host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
         out.tokens = host.copy_(out.tokens, non_blocking=True)
+        if out.unusable is not None:
+            flags = torch.empty(out.unusable.shape, dtype=torch.bool, pin_memory=True)
+            out.unusable = flags.copy_(out.unusable, non_blocking=True)
         if out.logprobs is not None:
             out.logprobs = out.logprobs.pinned()
         done = torch.cuda.Event()
@@ -226,7 +232,8 @@ class ModelRunner:
             logits = self._replay_decode(
                 graph_size, input_ids, positions, out_cache_loc, meta, launching
             )
-            return ComputedStep(*self._sample(logits, batch))
+            tokens, logprobs, unusable = self._sample(logits, batch)
+            return ComputedStep(tokens, logprobs, unusable=unusable)
         ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
         aux = None
         if capture_layers is None:
@@ -247,18 +254,18 @@ class ModelRunner:
                 hidden if len(last) == len(hidden) else hidden[host_tensor(last, self.device)]
             )
             logits = self.model.compute_logits(rows_out)  # [num_sampled, vocab] float32
-            out.tokens, out.logprobs = self._sample(logits, batch)
+            out.tokens, out.logprobs, out.unusable = self._sample(logits, batch)
         return out
 
     def _sample(
         self, logits: torch.Tensor, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """Next ids of the batch's sampled requests (after their logits processors), and
-        their log-probs (of the raw logits) if any asked."""
+    ) -> tuple[torch.Tensor, SampledLogprobs | None, torch.Tensor]:
+        """Next ids of the batch's sampled requests (after their logits processors), their
+        log-probs (of the raw logits) if any asked, and which rows were unusable."""
         reqs = batch.sampled_reqs
-        tokens = sample_next_tokens(self.processors.apply(logits, reqs), reqs)
+        tokens, unusable = sample_next_tokens(self.processors.apply(logits, reqs), reqs)
         self.processors.record(reqs, tokens)
-        return tokens, sampled_logprobs(logits, tokens, reqs)
+        return tokens, sampled_logprobs(logits, tokens, reqs), unusable
 
     def _input_ids(self, batch: ScheduledBatch, rows: list[int]) -> torch.Tensor:
         """The batch's token ids on the device: from the requests' known tokens, or (a

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
+from specd.workers.engine.request_faults import record_fault, replica_fault
 from specd.workers.engine.types import FinishReason, GenerateDelta, Usage
 from specd.workers.metrics import EngineMetrics
 from specd.workers.scheduler.request import Req
@@ -84,10 +85,18 @@ class OutputProcessor:
         if stream is None:
             return
         now = time.monotonic()
-        text = self._new_text(req, stream)
-        if stream.detok.stopped and not req.finished:
-            self.finish(req, FinishReason.STOP)
-            text += stream.detok.feed(req.fill_ids, final=True)
+        try:
+            text = self._new_text(req, stream)
+            if stream.detok.stopped and not req.finished:
+                self.finish(req, FinishReason.STOP)
+                text += stream.detok.feed(req.fill_ids, final=True)
+        except Exception as err:  # this request's text, not the replica
+            if replica_fault(err):
+                raise
+            record_fault(req, f"detokenizing failed for this request: {type(err).__name__}: {err}")
+            if not req.finished:
+                self.finish(req, FinishReason.ERROR)
+            req.error, req.error_code, text = req.fault, 500, ""
         new_tokens = req.output_ids[stream.sent_tokens :]
         if new_tokens:
             self._observe_token_times(req, now, len(new_tokens))
@@ -167,5 +176,10 @@ class OutputProcessor:
             spec_accepted_tokens=req.spec_accepted_tokens,
         )
         return dataclasses.replace(
-            delta, finished=True, finish_reason=req.finish_reason, usage=usage, error=req.error
+            delta,
+            finished=True,
+            finish_reason=req.finish_reason,
+            usage=usage,
+            error=req.error,
+            error_code=req.error_code,
         )

@@ -6,8 +6,30 @@ import random
 
 import torch
 
-from specd.workers.engine.types import SamplingParams
+from specd.workers.engine.request_faults import contained, unusable_rows
+from specd.workers.engine.types import (
+    MAX_TOP_K,
+    SEED_RANGE,
+    InvalidRequest,
+    SamplingParams,
+)
 from specd.workers.scheduler.request import Req
+
+
+def check_sampling_params(params: SamplingParams, vocab: int) -> None:
+    """Raise ``InvalidRequest`` naming the field of a value sampling cannot take: each
+    range keeps the math finite and every id inside the tensors it indexes."""
+    if not 0.0 <= params.temperature < float("inf"):
+        raise InvalidRequest("temperature: must be a finite number >= 0 (0: greedy)")
+    if not 0.0 < params.top_p <= 1.0:
+        raise InvalidRequest("top_p: must be in (0, 1]")
+    if not (params.top_k == -1 or 1 <= params.top_k <= MAX_TOP_K):
+        raise InvalidRequest(f"top_k: must be -1 (off) or in [1, {MAX_TOP_K}]")
+    lo, hi = SEED_RANGE
+    if params.seed is not None and not lo <= params.seed <= hi:
+        raise InvalidRequest(f"seed: must be in [{lo}, {hi}]")
+    if params.grammar is not None and any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids: token ids must be in [0, {vocab})")
 
 
 def request_generator(req: Req, device: torch.device) -> torch.Generator:
@@ -49,14 +71,29 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def usable_probs(probs: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [..., V] -> each row as it is if it is a distribution (finite, some mass),
+    else one-hot at its ``fallback`` id [...]; and bool [...] of the rows replaced.  No
+    sync, and ``torch.multinomial`` never sees NaN (a device-side assert on CUDA)."""
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    one_hot = torch.zeros_like(probs).scatter_(-1, fallback[..., None], 1.0)
+    return torch.where(ok[..., None], probs, one_hot), ~ok
+
+
+def sample_next_tokens(logits: torch.Tensor, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [len(reqs), V] float32 -> one token id per request, int64 [len(reqs)] on
-    the logits' device (no device sync: the caller copies the ids to the host once)."""
+    the logits' device, and which rows were unusable (bool [len(reqs)], ``request_faults``:
+    such a row's token is the greedy stand-in).  No device sync: the caller copies both
+    to the host once."""
     tokens = greedy_ids(logits)
+    unusable = unusable_rows(logits)
     for i, req in enumerate(reqs):
         p = req.params
-        if not p.greedy:
-            probs = filtered_probs(logits[i], p)
+        if p.greedy:
+            continue
+        with contained(req, "sampling"):
+            probs, bad = usable_probs(filtered_probs(logits[i], p), tokens[i])
             generator = request_generator(req, logits.device)
             tokens[i : i + 1] = torch.multinomial(probs, 1, generator=generator)
-    return tokens
+            unusable[i] |= bad
+    return tokens, unusable

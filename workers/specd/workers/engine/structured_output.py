@@ -241,4 +241,20 @@ class Grammars:
                     "and </think>, so the grammar cannot wait for the thinking to end"
                 )
             matcher = ThinkingGate(matcher, *tags, thinks_first=grammar.thinking == "first")
-        return GrammarState(matcher, self.vocab_size)
+        state = GrammarState(matcher, self.vocab_size)
+        check_can_start(state, grammar)
+        return state
+
+
+def check_can_start(state: GrammarState, grammar: Grammar) -> None:
+    """Raise ``InvalidRequest`` naming the field when no token of the model's vocabulary
+    can start the output (e.g. a regex that matches nothing): the first row's mask would
+    refuse every token."""
+    bitmask = state.new_bitmask(1)
+    if not state.matcher.is_terminated():
+        state.matcher.fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise InvalidRequest(
+            f"{grammar.field}: no token of this model's vocabulary can start text that "
+            "matches it (does it match anything at all?)"
+        )

@@ -32,6 +32,12 @@ class Grammar:
     thinking: str | None = None
 
 
+SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's rule): logits / T overflows
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits / 0.01 and * 100 stay finite in float32
+MAX_TOP_K = 2**31 - 1  # top-k cuts are int32 on some backends; above the vocab it is off
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -55,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,19 @@ def apply_chat_template(
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def decode_text(
+    tok: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool = False
+) -> str:
+    """``tok.decode(ids)``; a fast tokenizer's Rust decode runs as a batch of one, which
+    releases the GIL (its single decode holds it, ~0.6 µs a token: a long text would
+    stall every other thread).  A tokenizer that cleans up spaces after decoding keeps
+    its own ``decode`` (the clean-up rules vary with the transformers version)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or tok.clean_up_tokenization_spaces:
+        return tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+
 def eos_token_ids(tok: PreTrainedTokenizerBase, model_config: ModelConfig) -> set[int]:
     """Ids that end generation: the model config's (config + generation config) and the tokenizer's."""
     ids = set(model_config.eos_token_ids)

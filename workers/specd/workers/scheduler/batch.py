@@ -50,3 +50,5 @@ class RunnerOutput:
     logprobs: tuple = ()
     # per batch request, the prompt tokens' TokenLogprobs this chunk scored (possibly none)
     prompt_logprobs: tuple = ()
+    # indices into the sampled requests whose logits row was unusable (request_faults.py)
+    unusable_rows: tuple[int, ...] = ()

@@ -30,6 +30,10 @@ class Req:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # what went wrong while handling only this request (engine/request_faults.py); set on
+    # the compute side, the loop then finishes the request with this error
+    fault: str | None = None
+    error_code: int | None = None  # the HTTP status of ``error`` (400: the request's own)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower is served first under the priority policy (policy.py)
     first_token_time: float | None = None

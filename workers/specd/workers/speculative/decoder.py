@@ -38,7 +38,13 @@ from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.engine.logits_processors import LogitsProcessors
 from specd.workers.engine.logprobs import path_logprobs
 from specd.workers.engine.model_runner import extend_layout
-from specd.workers.engine.sampling import filtered_probs, greedy_ids, request_generator
+from specd.workers.engine.request_faults import contained
+from specd.workers.engine.sampling import (
+    filtered_probs,
+    greedy_ids,
+    request_generator,
+    usable_probs,
+)
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
 from specd.workers.model.forward_context import ForwardContext
@@ -55,6 +61,7 @@ from specd.workers.speculative.tree import DraftTree, build_tree, tree_attention
 from specd.workers.speculative.verify import (
     VerifyResult,
     accepted_path_positions,
+    unusable_paths,
     verify_greedy,
     verify_sampling,
 )
@@ -98,6 +105,8 @@ class SpecStepOut:
     probes: tuple[int, ...] = ()
     # per request, its new tokens' TokenLogprobs (None if it did not ask)
     logprobs: tuple = ()
+    # indices of the requests whose logits were unusable (engine/request_faults.py)
+    unusable: tuple[int, ...] = ()
 
 
 class SpecDecoder:
@@ -212,7 +221,7 @@ class SpecDecoder:
             tree = build_tree(self._root_tokens(states), [], 1, self.ops)
         hidden, features = self._verify_forward(rows, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
-        result = self._accept(reqs, tree, logits)
+        result, unusable = self._accept(reqs, tree, logits)
         self._move_accepted_kv(rows, roots, result)
         features = features.view(len(reqs), tree.num_tokens, -1)
         seq_lens = SeqLens(roots, self.device)  # tokens before each root
@@ -236,6 +245,7 @@ class SpecDecoder:
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
             probes=probes,
             logprobs=logprobs,
+            unusable=tuple(unusable.nonzero().flatten().tolist()),
         )
 
     def _extend_accepted(
@@ -352,30 +362,45 @@ class SpecDecoder:
         hidden, aux = self.target.forward_with_aux(tokens, positions, ctx, self.head.capture_layers)
         return hidden, self.head.features(hidden, aux)
 
-    def _accept(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    def _accept(
+        self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor
+    ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy walk when every request is greedy, else tree speculative sampling
         (greedy requests get one-hot rows and zero coins, which is the greedy walk), on
-        the logits after each request's processors."""
+        the logits after each request's processors; and which requests' logits were
+        unusable (bool [bs], ``unusable_paths``)."""
         if self.force_accept_len is not None:  # benchmarks: acceptance at a chosen mean
-            return forced_accept(
+            result = forced_accept(
                 tree, greedy_ids(logits), self.force_accept_len, self._forced_draws
             )
+            return result, torch.zeros(len(reqs), dtype=torch.bool, device=self.device)
         logits = self.processors.apply_tree(logits, reqs, tree)
         if all(r.params.greedy for r in reqs):
-            return verify_greedy(tree, greedy_ids(logits), self.ops)
-        probs = torch.empty_like(logits)
+            result = verify_greedy(tree, greedy_ids(logits), self.ops)
+            return result, unusable_paths(logits, result)
+        probs, coins, replaced = self._sampling_inputs(reqs, tree, logits)
+        result = verify_sampling(tree, probs, coins)
+        return result, unusable_paths(logits, result) | replaced
+
+    def _sampling_inputs(
+        self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tree speculative sampling's target probs [bs, T, V] and coins [bs, T + 1]; a
+        sampled request whose probs are no distribution falls back to its greedy rows
+        (flagged in the third value, bool [bs])."""
+        replaced = torch.zeros(len(reqs), dtype=torch.bool, device=self.device)
+        greedy = greedy_ids(logits)  # [bs, T]
+        probs = torch.zeros_like(logits).scatter_(-1, greedy[..., None], 1.0)  # one-hot
         coins = torch.zeros(len(reqs), tree.num_tokens + 1, device=self.device)
         for b, req in enumerate(reqs):
-            p = req.params
-            if p.greedy:
-                probs[b] = torch.nn.functional.one_hot(greedy_ids(logits[b]), logits.shape[-1]).to(
-                    probs.dtype
-                )
+            if req.params.greedy:
                 continue
-            probs[b] = filtered_probs(logits[b], p)
-            gen = request_generator(req, self.device)
-            coins[b] = torch.rand(tree.num_tokens + 1, generator=gen, device=gen.device)
-        return verify_sampling(tree, probs, coins)
+            with contained(req, "sampling"):
+                probs[b], bad = usable_probs(filtered_probs(logits[b], req.params), greedy[b])
+                replaced[b] = bad.any()
+                gen = request_generator(req, self.device)
+                coins[b] = torch.rand(tree.num_tokens + 1, generator=gen, device=gen.device)
+        return probs, coins, replaced
 
     def _move_accepted_kv(self, rows: list[int], roots: list[int], result: VerifyResult) -> None:
         """Make the accepted path's target KV contiguous at ``[root, root + accepted + 1)``

@@ -58,6 +58,16 @@ def _result(tree: DraftTree, last: torch.Tensor, bonus: torch.Tensor) -> VerifyR
     return VerifyResult(accept_index, accept_len, bonus, accepted, accept_len + 1)
 
 
+def unusable_paths(logits: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+    """logits [bs, T, V] a verify chose by -> bool [bs]: requests nothing could be
+    chosen for (``engine/request_faults.py``): a NaN or +inf in any node's row, or the
+    row the bonus was taken from all -inf (e.g. a grammar that allows no token there)."""
+    peaks = logits.amax(-1)  # [bs, T]; amax propagates NaN
+    bonus_row = result.accept_index.gather(1, result.accept_len[:, None].long())  # [bs, 1]
+    broken = (torch.isnan(peaks) | torch.isposinf(peaks)).any(-1)
+    return broken | torch.isneginf(peaks.gather(1, bonus_row))[:, 0]
+
+
 def verify_greedy(
     tree: DraftTree, target_argmax: torch.Tensor, ops: KernelOps = TORCH_OPS
 ) -> VerifyResult:
