@@ -275,6 +275,8 @@ BAD = {
     "prompt id out of vocab": (CMPL, {**A, "prompt": [5, V]}, "prompt"),
     "prompt id past int64": (CMPL, {**A, "prompt": [2**70]}, "prompt"),
     "detokenize id out of vocab": ("/detokenize", {"model": MODEL, "tokens": [V]}, "tokens"),
+    # used to end the engine loop (issue 28): refused by the engine, named by the gateway
+    "regex matching nothing": (CMPL, {**A, "regex": "[^\\x00-\\U0010FFFF]"}, "regex"),
 }
 
 
@@ -312,6 +314,7 @@ EXTREMES = {
     "repetition_penalty 100": {"repetition_penalty": 100},
     "top_k 2**31 - 1": {"top_k": 2**31 - 1, "temperature": 1},
     "temperature 1e-30": {"temperature": 1e-30},
+    "temperature 1e-300 (greedy)": {"temperature": 1e-300},
     "logit_bias at the vocabulary's end": {"logit_bias": {str(V - 1): 100, "0": -100}},
     "stop_token_ids at the vocabulary's end": {"stop_token_ids": [V - 1], "regex": "[a-z]+"},
     "an escaped surrogate pair": {"prompt": "a\U0001f600b"},

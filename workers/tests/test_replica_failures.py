@@ -142,6 +142,7 @@ async def _wait(predicate, timeout_s: float, what: str):
     return value
 
 
+@pytest.mark.slow  # two real model loads: CI's slow pass runs it
 async def test_a_model_that_fails_to_load_twice_alike_is_not_restarted(
     ray_cluster, foo_model, tiny_models
 ):
@@ -178,6 +179,7 @@ async def test_a_model_that_fails_to_load_twice_alike_is_not_restarted(
         await pool.stop(drain_timeout_s=1)
 
 
+@pytest.mark.slow  # two real model loads: CI's slow pass runs it
 def test_a_serve_gateway_stops_with_the_failure(ray_cluster, foo_model):
     """What `specd serve` does when a load error gets past its check of the folders:
     after the second identical failure its gateway stops by itself, saying why (the

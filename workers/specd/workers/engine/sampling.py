@@ -23,8 +23,8 @@ def check_sampling_params(params: SamplingParams, vocab: int) -> None:
         raise InvalidRequest("temperature: must be a finite number >= 0 (0: greedy)")
     if not 0.0 < params.top_p <= 1.0:
         raise InvalidRequest("top_p: must be in (0, 1]")
-    if not (params.top_k == -1 or 1 <= params.top_k <= MAX_TOP_K):
-        raise InvalidRequest(f"top_k: must be -1 (off) or in [1, {MAX_TOP_K}]")
+    if not -1 <= params.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k: must be -1 or 0 (off), or in [1, {MAX_TOP_K}]")
     lo, hi = SEED_RANGE
     if params.seed is not None and not lo <= params.seed <= hi:
         raise InvalidRequest(f"seed: must be in [{lo}, {hi}]")
