@@ -36,7 +36,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -94,12 +94,7 @@ class ReplicaFailure:
     time: float
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "config_hash": self.config_hash,
-            "replica": self.replica,
-            "message": self.message,
-            "time": self.time,
-        }
+        return asdict(self)
 
 
 class ReplicaError(RuntimeError):

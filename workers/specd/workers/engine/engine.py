@@ -706,13 +706,14 @@ class Engine:
         the batch's other requests go on."""
         flagged = batch.reqs if batch.verify else batch.sampled_reqs
         for i in out.unusable if batch.verify else out.unusable_rows:
-            flagged[i].fault = unusable_row_message(flagged[i])  # the clearer cause wins
+            req = flagged[i]
+            req.fault = unusable_row_message(req)  # the clearer cause wins
+            req.error_code = 400 if req.params.grammar is not None else 500  # its own grammar
         for req in batch.reqs:
             if req.fault is None or req.finished:
                 continue
             self.scheduler.finish(req, FinishReason.ERROR)
-            own = req.params.grammar is not None and req.fault.startswith(req.params.grammar.field)
-            req.error, req.error_code = req.fault, 400 if own else 500
+            req.error, req.error_code = req.fault, req.error_code or 500
             self.outputs.emit(req)
 
     def _settle_pending(self) -> None:
