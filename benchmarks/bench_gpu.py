@@ -4,7 +4,7 @@ An 8B-shape Llama (Llama-3.1-8B dims, llama3 rope) with random weights and an EA
 head (one layer, same attention dims, draft vocab 32000, fusing three target layers): only
 config.json files and an offline WordLevel tokenizer are written to a temp dir, nothing is
 downloaded.  Engines run in-process, one at a time, with the benchmark-only knobs
-(``specd.workers.engine.bench_knobs``): ``dummy_weights`` (random weights made on the
+(``specd.workers.bench_knobs``): ``dummy_weights`` (random weights made on the
 device, seconds for 8B) and ``force_accept_len`` (each verify accepts a drawn number of
 drafts along the first-child chain, mean tokens per verify incl. the bonus = --accept-len).
 
@@ -58,13 +58,13 @@ from transformers import PreTrainedTokenizerFast
 
 from specd.kernels import available_backends
 from specd.kernels.registry import missing_backends
+from specd.workers.bench_knobs import BenchKnobs
 from specd.workers.config import spec_for_model
-from specd.workers.engine.bench_knobs import BenchKnobs
 from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import GenerateRequest, SamplingParams
 from specd.workers.mem_cache.sizing import SpecShape, row_width
 from specd.workers.model.config import load_model_config
 from specd.workers.model.llama import LlamaForCausalLM
+from specd.workers.types import GenerateRequest, SamplingParams
 
 SPEEDUP_GOAL = 2.36  # SGLang's EAGLE-3 speedup on an H100 at batch 1, accept length ~4
 FLOOR_GOAL = 1.2  # plain decode step / weight-read floor
@@ -305,7 +305,7 @@ def time_batch(engine: Engine, prompts: list[list[int]], args, tag: str) -> Timi
         ms_per_token=1e3 * statistics.median(per_token),
         accept_len=(steps + accepted) / steps if steps else None,
         host_share=host / max(host + model, 1e-9),
-        retractions=engine.status()["retractions"],
+        retractions=engine.status().retractions,
     )
 
 
@@ -314,7 +314,7 @@ def time_engine(args, target: Path, draft: Path | None, backend: str) -> dict[in
     tag = f"{backend}-{'spec' if draft else 'plain'}"
     t0 = time.perf_counter()
     engine = make_engine(args, target, draft, backend)
-    graphs = engine.status()["cuda_graphs"]
+    graphs = engine.status().cuda_graphs.model_dump()
     progress(
         f"[{tag}] engine ready in {time.perf_counter() - t0:.1f} s; CUDA graphs "
         f"{graphs['mode']} ({graphs.get('reason') or graphs.get('capture_seconds')})"

@@ -20,8 +20,8 @@ import asyncio
 import statistics
 import time
 
-from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.testing import DEMO_TARGET, demo_prompts, start_engine, wait_idle
+from specd.devtools.testing import DEMO_TARGET, demo_prompts, start_engine, wait_idle
+from specd.workers.types import GenerateRequest, SamplingParams
 
 
 async def _timed(engine, rid: str, prompt: list[int], new_tokens: int, session: str | None):
@@ -55,7 +55,7 @@ def run_round(engine, prompts, new_tokens: int, tag: str, sessions: bool = False
     held = 0
     if sessions:
         assert wait_idle(engine), "the engine did not go idle"
-        held = engine.status()["session_kv_tokens"]
+        held = engine.status().session_kv_tokens
         for sid in sids:
             engine.close_session(sid)
     return results, seconds, held

@@ -20,8 +20,8 @@ import asyncio
 import statistics
 import time
 
-from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.testing import DEMO_TARGET, demo_prompts, metric_value, start_engine
+from specd.devtools.testing import DEMO_TARGET, demo_prompts, metric_value, start_engine
+from specd.workers.types import GenerateRequest, SamplingParams
 
 
 async def _timed(engine, rid: str, prompt: list[int], new_tokens: int, priority: int, started):

@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 import ray
 
+from specd.devtools.testing import DEMO_TARGET, running_gateway
 from specd.workers.config import spec_for_model
-from specd.workers.testing import DEMO_TARGET, running_gateway
 
 POLICIES = ("cacheAware", "leastLoad")
 
@@ -90,7 +90,7 @@ async def _round(url: str, prompts: list[list[int]], clients: int, new_tokens: i
         if sessions:
             await asyncio.sleep(1.5)  # a probe interval: loads catch up
             actors = (await client.get("/admin/status")).json()["actors"]
-            held = sum(a["load"].get("session_kv_tokens", 0) for a in actors)
+            held = sum(a["load"]["session_kv_tokens"] for a in actors if a["load"])
             for sid in sids:
                 (await client.delete(f"/v1/sessions/{sid}")).raise_for_status()
         return results, seconds, held
@@ -160,7 +160,7 @@ def main() -> None:
                     s["prompt"] += sum(n for _, n, _ in results)
                     s["cached"] += sum(c for _, _, c in results)
             routed = gw.pool.routed_by_reason()
-            placed = dict(gw.pool.session_homes.placements)
+            placed = dict(gw.pool.session_directory.placements)
     finally:
         ray.shutdown()
 

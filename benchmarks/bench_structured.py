@@ -36,7 +36,7 @@ import jsonschema
 from bench_engine import LineWorker
 from bench_worker import left_padded
 
-from specd.workers.testing import DEMO_EAGLE, DEMO_TARGET, demo_prompts
+from specd.devtools.testing import DEMO_EAGLE, DEMO_TARGET, demo_prompts
 
 SCHEMA = {
     "type": "object",
@@ -55,10 +55,10 @@ class SpecdContender:
     """A specd engine (in its worker process), all of a round's requests at once."""
 
     def __init__(self, kind: str, args):
+        from specd.workers.bench_knobs import BenchKnobs
         from specd.workers.config import spec_for_model
-        from specd.workers.engine.bench_knobs import BenchKnobs
         from specd.workers.engine.engine import Engine
-        from specd.workers.engine.types import Grammar
+        from specd.workers.types import Grammar
 
         fields = {"model": {"dtype": "float32"}, "kvCache": {"pageSize": 16}}
         if kind != "plain":
@@ -75,7 +75,7 @@ class SpecdContender:
         self.rounds = 0
 
     def run(self, prompts, max_tokens: int) -> dict:
-        from specd.workers.engine.types import GenerateRequest, SamplingParams
+        from specd.workers.types import GenerateRequest, SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, grammar=self.grammar)
         self.rounds += 1

@@ -34,7 +34,7 @@ class Specd:
         self.verify_steps = self.accepted = 0
 
     def generate(self, prompts, n):
-        from specd.workers.engine.types import GenerateRequest, SamplingParams
+        from specd.workers.types import GenerateRequest, SamplingParams
 
         params = SamplingParams(max_tokens=n, ignore_eos=True)
 

@@ -21,10 +21,10 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.devtools.testing import DEMO_MODELS, running_gateway
 from specd.operator.metrics import OperatorMetrics
 from specd.operator.testing.cluster import free_port
 from specd.workers.config import spec_for_model
-from specd.workers.testing import DEMO_MODELS, running_gateway
 
 # Labels a series gets from its scrape target (the ServiceMonitor adds `deployment`)
 TARGET_LABELS = {"deployment", "job", "instance", "namespace", "pod", "service", "container"}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specd.kernels.emulated_graph import EmulatedGraph, GraphCaptureError, GraphReplayError
-from specd.kernels.ops import TorchOps, get_ops
+from specd.kernels.ops import TorchOps
+from specd.kernels.ops_choice import get_ops
 
 
 def captured(body, *inputs):

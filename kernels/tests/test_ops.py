@@ -12,7 +12,8 @@ import importlib.util
 import pytest
 import torch
 
-from specd.kernels.ops import TorchOps, get_ops
+from specd.kernels.ops import TorchOps
+from specd.kernels.ops_choice import get_ops
 
 pytest.importorskip("triton")
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,7 +26,7 @@ from specd.operator.testing.cluster import free_port, kopf_in_thread
 from specd.workers.config import SpecDecodeDeployment
 
 from .conftest import NAMESPACE, REPO, Cluster, load_example
-from .gateway_docs import actor, event, gateway_doc
+from .gateway_docs import actor, event, gateway_doc, renamed_field, without_field
 
 SDD_PATH = f"/apis/specd.dev/v1alpha1/namespaces/{NAMESPACE}/specdecodedeployments"
 
@@ -212,6 +213,47 @@ def test_status_comes_from_the_gateway_admin_status(cluster):
         c = wait_condition(cluster, "demo", "SpeculationEffective", "False", "AcceptLengthLow")
         assert "1.1 < spec.speculative.minAcceptLength 2" in c["message"]
         assert sdd(cluster, "demo")["status"]["speculation"]["windowVerifies"] == 200
+
+
+@pytest.mark.parametrize(
+    "break_it,field",
+    [
+        (lambda doc: without_field(doc, "ready_replicas"), "ready_replicas"),
+        (
+            lambda doc: renamed_field(doc, "actors.0.load.kv_usage", "kv_use"),
+            "actors[0].load.kv_usage",
+        ),
+    ],
+    ids=["missing-top-level", "renamed-in-an-actors-load"],
+)
+def test_a_gateway_status_that_breaks_the_contract_is_a_failed_poll_naming_the_field(
+    cluster, break_it, field
+):
+    """The operator parses /admin/status as `AdminStatus`: a document lacking a field
+    (or with one renamed) is not read as zeros but as a failed poll: Ready False and
+    Degraded True with the reason GatewayStatusInvalid and the field in the message, a
+    Warning Event, and ``specd_operator_gateway_polls_total{result="invalid"}``."""
+    doc = _demo_spec_doc(replicas=1)
+    spec = spec_of(doc)
+    good = gateway_doc(spec, [actor("r0", spec.config_hash(), kv_used=400)])
+    with operator(cluster) as ctx:
+        create(cluster, doc)
+        cluster.gateway.docs[(NAMESPACE, "demo")] = break_it(good)
+        ready = wait_condition(cluster, "demo", "Ready", "False", "GatewayStatusInvalid")
+        assert field in ready["message"] and "/admin/status" in ready["message"]
+        degraded = wait_condition(cluster, "demo", "Degraded", "True", "GatewayStatusInvalid")
+        assert field in degraded["message"]
+        warning = f"GatewayStatusInvalid: gateway /admin/status invalid: {field}"
+        cluster.wait_for(lambda: warning in event_messages(cluster), what="a Warning Event")
+        polls = ctx.metrics.registry.get_sample_value(
+            "specd_operator_gateway_polls_total", {"result": "invalid"}
+        )
+        assert polls and polls >= 1
+        # the gateway serves a valid document again: read as usual
+        cluster.gateway.docs[(NAMESPACE, "demo")] = good
+        wait_condition(cluster, "demo", "Ready", "True", "AllReplicasReady")
+        wait_condition(cluster, "demo", "Degraded", "False", "AsExpected")
+        assert sdd(cluster, "demo")["status"]["kv"]["usage"] == 0.4
 
 
 def test_speculative_update_rolls_to_a_new_hash_and_is_ready_only_when_all_actors_run_it(

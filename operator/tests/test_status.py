@@ -73,7 +73,7 @@ def test_no_verifies_keeps_the_previous_reading():
     ids=["quiet", "one-failure", "recovered", "two-after-ready"],
 )
 def test_failing_replicas(events, failing):
-    assert [e["replica"] for e in failing_replicas(events)] == failing
+    assert [e.replica for e in failing_replicas(events)] == failing
 
 
 def test_ready_needs_the_gateway_on_the_current_hash_and_every_actor_on_it():
@@ -163,7 +163,8 @@ def test_a_load_error_the_gateway_gave_up_on_degrades_naming_it():
     assert (degraded.status, degraded.reason) == ("True", "ReplicaFailed")
     assert message in degraded.message and "replica r1" in degraded.message
     assert _conditions(status)["Ready"] == ("False", "ReplicasNotReady")
-    doc["failure"]["config_hash"] = "older"
+    older = doc.failure.model_copy(update={"config_hash": "older"})
+    doc = doc.model_copy(update={"failure": older})
     status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
     assert _conditions(status)["Degraded"] == ("False", "AsExpected")
 
@@ -182,6 +183,21 @@ def test_plain_decode_reports_speculation_off():
     status = compute_status(Observation(1, sdd, gateway=doc), SddStatus(), NOW)
     assert _conditions(status)["SpeculationEffective"] == ("False", "SpeculationOff")
     assert status.speculation is None
+
+
+def test_an_invalid_gateway_document_is_not_ready_and_degraded_naming_the_field():
+    """What `reconcile.poll_gateway` reports for a document that breaks `AdminStatus`:
+    no document, the field errors, ``gateway_invalid``."""
+    sdd = _sdd()
+    why = "ready_replicas: Field required (from http://demo-gateway/admin/status)"
+    obs = Observation(1, sdd, gateway_error=why, gateway_invalid=True)
+    status = compute_status(obs, SddStatus(), NOW)
+    conditions = {c.type: c for c in status.conditions}
+    assert _conditions(status)["Ready"] == ("False", "GatewayStatusInvalid")
+    assert _conditions(status)["Progressing"] == ("True", "WaitingForGateway")
+    assert _conditions(status)["Degraded"] == ("True", "GatewayStatusInvalid")
+    for type_ in ("Ready", "Degraded"):
+        assert conditions[type_].message == f"gateway /admin/status invalid: {why}"
 
 
 def test_transition_time_moves_only_when_the_status_changes():

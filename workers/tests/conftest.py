@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specd.workers.testing import DEMO_EAGLE, DEMO_TARGET
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
-from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
+from specd.devtools.testing import DEMO_EAGLE, DEMO_TARGET
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+from specd.devtools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def serve_gateway(ray_cluster):
     cluster."""
     import contextlib
 
-    from specd.workers.testing import running_gateway
+    from specd.devtools.testing import running_gateway
 
     with contextlib.ExitStack() as stack:
         yield lambda spec, name, ready_timeout_s=90: stack.enter_context(

@@ -12,11 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import chi2_contingency
 from tokenizers import Tokenizer
 
-from specd.workers.config import AdaptiveSpec, ConfigError, spec_for_model
-from specd.workers.mem_cache.sizing import SpecShape, alloc_reserve_per_decode
-from specd.workers.speculative.adaptive import AdaptiveController, SpecPolicy
-from specd.workers.speculative.rung import PLAIN, Rung
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_MODELS,
     DEMO_TARGET,
@@ -27,7 +23,11 @@ from specd.workers.testing import (
     run_all,
     start_engine,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle
+from specd.devtools.tiny_draft import make_tiny_eagle
+from specd.workers.config import AdaptiveSpec, ConfigError, spec_for_model
+from specd.workers.mem_cache.sizing import SpecShape, alloc_reserve_per_decode
+from specd.workers.rung import PLAIN, Rung
+from specd.workers.speculative.adaptive import AdaptiveController, SpecPolicy
 
 MAX_NEW = 20
 CHAIN = [Rung(0, 1, 1), Rung(1, 1, 2), Rung(3, 1, 4)]
@@ -248,7 +248,7 @@ def reference(pair):
 def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
     """Per verify batch as launched: (rung, plain by load, [(granted, committed)])."""
     seen = []
-    submit = engine._submit
+    submit = engine.executor.submit
 
     def recording(batch):
         if batch.verify:
@@ -256,7 +256,7 @@ def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
             seen.append((batch.rung, batch.plain_by_load, [(g, r.kv.committed) for g, r in grants]))
         return submit(batch)
 
-    engine._submit = recording
+    engine.executor.submit = recording
     return seen
 
 
@@ -337,8 +337,8 @@ def test_random_draft_moves_the_rung_down(pair, reference, shape, page_size, ove
     engine = adaptive_engine(pair, spec, page_size, overlap, algorithm)
     seen = record_batches(engine)
     check_exact_run(engine, prompts, expected, MAX_NEW)
-    status = engine.status()["adaptive"]
-    assert (status["steps"], status["rung_changes"]) == (bottom, moves)
+    status = engine.status().adaptive
+    assert (status.steps, status.rung_changes) == (bottom, moves)
     assert metric_value(engine, "specd_spec_adaptive_steps") == bottom
     assert metric_value(engine, "specd_leak_checks_total") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
@@ -376,7 +376,7 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
             (rung == PLAIN) == by_load and (len(grants) > 2) == by_load
             for rung, by_load, grants in seen
         )
-        assert engine.status()["adaptive"]["plain_steps"] == {"rung": 0, "load": load}
+        assert engine.status().adaptive.plain_steps.model_dump() == {"rung": 0, "load": load}
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
         check_widest_allocation(engine, seen)
     finally:
@@ -425,7 +425,7 @@ def test_trained_draft_moves_the_rung_up(demo_repetitive, candidates, num_steps,
     try:
         [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=len(expected), ignore_eos=True)
         assert tokens == expected
-        status = engine.status()["adaptive"]
+        status = engine.status().adaptive
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
     finally:
         engine.shutdown()
@@ -433,9 +433,9 @@ def test_trained_draft_moves_the_rung_up(demo_repetitive, candidates, num_steps,
     assert steps[0] == num_steps
     # warm-up 1, then two up votes per move (plus a launched batch of lag under overlap)
     top = candidates[-1]
-    assert status["steps"] == top and status["rung_changes"] == 2
+    assert status.steps == top and status.rung_changes == 2
     assert steps.index(top) <= 1 + 2 * 2 + 2 * int(overlap), steps
-    assert status["acceptance_rate"] >= 0.8
+    assert status.acceptance_rate >= 0.8
     check_widest_allocation(engine, seen)
 
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from specd.workers.api_keys import ApiKeys, key_id, needs_key
 from specd.workers.cli import EXIT_INVALID, main
+from specd.workers.gateway.api_keys import ApiKeys, key_id, needs_key
 
 
 def bearer(key: str) -> str:

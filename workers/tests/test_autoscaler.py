@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specd.workers.autoscaler import Autoscaler
 from specd.workers.config import AutoscalingSpec
+from specd.workers.pool.autoscaler import Autoscaler
 
 POLICY = AutoscalingSpec(
     min_replicas=1,

@@ -15,16 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specd.workers.config import spec_for_model
-from specd.workers.engine.bench_knobs import BenchKnobs
-from specd.workers.engine.engine import Engine
-from specd.workers.engine.types import FinishReason
-from specd.workers.model.config import ModelLoadError
-from specd.workers.model.llama import RMSNorm
-from specd.workers.model.loader import load_model
-from specd.workers.speculative.forced_accept import forced_accept
-from specd.workers.speculative.tree import DraftTree
-from specd.workers.testing import (
+from specd.devtools.testing import (
     check_exact_run,
     check_leak_free,
     collect,
@@ -33,6 +24,15 @@ from specd.workers.testing import (
     random_prompts,
     run_all,
 )
+from specd.workers.bench_knobs import BenchKnobs
+from specd.workers.config import spec_for_model
+from specd.workers.engine.engine import Engine
+from specd.workers.model.config import ModelLoadError
+from specd.workers.model.llama import RMSNorm
+from specd.workers.model.loader import load_model
+from specd.workers.speculative.forced_accept import forced_accept
+from specd.workers.speculative.tree import DraftTree
+from specd.workers.types import FinishReason
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")

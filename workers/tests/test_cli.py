@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.workers.admin_auth import load_admin_token
 from specd.workers.cli import EXIT_FAILED, EXIT_INVALID, admin_token_note, main
 from specd.workers.config import ConfigError
+from specd.workers.gateway.admin_auth import load_admin_token
 
 
 def test_generate_prints_transformers_greedy_text(tiny_models, capsys):

@@ -16,10 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.kernels import available_backends
-from specd.workers.config import ConfigError
-from specd.workers.greedy_judge import GreedyJudge
-from specd.workers.testing import (
+from specd.devtools.greedy_judge import GreedyJudge
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     Reference,
@@ -32,6 +30,8 @@ from specd.workers.testing import (
     start_engine,
     start_spec_engine,
 )
+from specd.kernels import available_backends
+from specd.workers.config import ConfigError
 
 CUDA_BACKENDS = ("triton", "flashinfer")
 
@@ -138,8 +138,8 @@ def graph_engine(target, device="cpu", **extra):
 def check_graph_runs(engine, ref: Reference, mode):
     """3 requests (bucket 4, one pad row), then 1 and 4 (``check_exact_run``): outputs
     match ``ref``, every decode step replayed, and the pad row wrote only to the pad slot."""
-    status = engine.status()["cuda_graphs"]
-    assert (status["mode"], status["sizes"]) == (mode, [1, 2, 4])
+    status = engine.status().cuda_graphs
+    assert (status.mode, status.sizes) == (mode, (1, 2, 4))
     three = ref.first(3)
     results = run_all(engine, three.prompts, max_tokens=ref.max_new, ignore_eos=True)
     check_outputs(three.prompts, [r[0] for r in results], three.outputs, ref.judge)
@@ -179,9 +179,9 @@ def demo_run(graphs, speculative, page, device="cpu", dtype="float32", backend="
         status = engine.status()
     finally:
         engine.shutdown()
-    assert status["leak_check_failures"] == 0
+    assert status.leak_check_failures == 0
     usage = [(r[2].usage.spec_verify_steps, r[2].usage.spec_accepted_tokens) for r in results]
-    return prompts, [r[0] for r in results], usage, status["cuda_graphs"]
+    return prompts, [r[0] for r in results], usage, status.cuda_graphs.model_dump()
 
 
 def check_graphs_draft_like_eager(speculative, page, mode, judge=None, **device):
@@ -222,8 +222,8 @@ def test_status_names_the_backend_and_the_ops(pair):
     engine = start_engine(pair[0], device=device, attentionBackend="triton")
     try:
         status = engine.status()
-        assert (status["attention_backend"], status["kernel_ops"]) == ("triton", "triton")
-        assert status["device"] == device
+        assert (status.attention_backend, status.kernel_ops) == ("triton", "triton")
+        assert status.device == device
     finally:
         engine.shutdown()
 

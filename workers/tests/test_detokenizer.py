@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from specd.devtools.testing import DEMO_TARGET
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
-from specd.workers.testing import DEMO_TARGET
 
 SENTENCE = "the cat sat on the mat. the dog sat on the log. the end"
 PROMPT = [0, 5, 6]  # ids ahead of the output: never searched for stop strings

@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from specd.devtools import tiny_draft
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+from specd.devtools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 from specd.kernels import build_attention_metadata, get_backend
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.model.config import ModelConfig, ModelLoadError
@@ -23,9 +26,6 @@ from specd.workers.model.eagle import EagleDraftModel
 from specd.workers.model.eagle3 import Eagle3DraftModel
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.loader import load_model
-from specd.workers.tools import tiny_draft
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
-from specd.workers.tools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 
 ATOL = 1e-4
 DRAFT_STEPS = 3

@@ -12,10 +12,7 @@ import time
 import pytest
 import torch
 
-from specd.workers.config import ConfigError
-from specd.workers.engine.engine import single_threaded_torch_in_this_thread
-from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
-from specd.workers.testing import (
+from specd.devtools.testing import (
     check_exact_run,
     check_small_pool_run,
     hf_greedy,
@@ -25,6 +22,9 @@ from specd.workers.testing import (
     start_engine,
     wait_idle,
 )
+from specd.workers.config import ConfigError
+from specd.workers.engine.engine import single_threaded_torch_in_this_thread
+from specd.workers.types import FinishReason, GenerateRequest, SamplingParams
 
 MAX_NEW = 12
 
@@ -174,7 +174,7 @@ def test_overlap_gives_the_synchronous_output(tiny_models):
                 (t, x, d.finish_reason) for t, x, d in expected[name]
             ], name
         assert metric_value(overlapped, "specd_engine_steps_launched_ahead_total") > 10
-        assert wait_idle(overlapped) and overlapped.status()["healthy"]
+        assert wait_idle(overlapped) and overlapped.status().healthy
     finally:
         overlapped.shutdown()
 

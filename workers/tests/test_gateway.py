@@ -31,14 +31,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 import specd
-from specd.workers.api_keys import ApiKeys
+from specd.devtools.testing import DEMO_TARGET, in_loop, running_gateway, with_thinking_tags
+from specd.devtools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
+from specd.devtools.tiny_draft import make_tiny_eagle
 from specd.workers.config import spec_for_model
-from specd.workers.engine.thinking_gate import thinking_tag_ids
-from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.pool import PoolController
-from specd.workers.testing import DEMO_TARGET, in_loop, running_gateway, with_thinking_tags
-from specd.workers.tools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
-from specd.workers.tools.tiny_draft import make_tiny_eagle
+from specd.workers.contracts import AdminStatus, GatewayHealth
+from specd.workers.gateway.api_keys import ApiKeys
+from specd.workers.pool.controller import PoolController
+from specd.workers.runner.thinking_gate import thinking_tag_ids
+from specd.workers.types import GenerateRequest, SamplingParams
 
 MODEL = "tiny"
 CONTEXT = 2048  # long enough for streams that outlive an actor kill
@@ -735,6 +736,13 @@ def test_admin_status_lists_ready_actors(http):
         assert actor["config_hash"] == status["config_hash"]
         assert actor["load"]["healthy"] is True and actor["load"]["replica"] == actor["name"]
         assert {"running", "queued", "queued_tokens", "kv_usage"} <= set(actor["load"])
+    # the real engines' statuses, through their actors and the pool: the typed contract
+    # the operator parses the document with, field for field
+    typed = AdminStatus.model_validate(status)
+    assert typed.model_dump(mode="json") == status
+    assert all(a.load is not None and a.load.healthy for a in typed.actors)
+    health = GatewayHealth.model_validate(http.get("/health").json())
+    assert health.status == "ok" and health.reason is None
 
 
 def metric_families(http) -> dict:
@@ -972,14 +980,14 @@ async def test_pool_backs_off_a_replica_that_cannot_start(ray_cluster, tmp_path)
     await pool.start()
     try:
         for _ in range(300):
-            if any(e["event"] == "dead" for e in pool.events):
+            if any(e.event == "dead" for e in pool.events):
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
-        failures = [e for e in pool.events if e["event"] == "dead"]
-        assert failures and "failed to start" in failures[0]["detail"], list(pool.events)
+        failures = [e for e in pool.events if e.event == "dead"]
+        assert failures and "failed to start" in failures[0].detail, list(pool.events)
         assert len(failures) <= 2  # 2s backoff after the first failure
-        assert pool.status()["ready_replicas"] == 0 and pool.pick() is None
+        assert pool.status().ready_replicas == 0 and pool.pick() is None
     finally:
         await pool.stop(drain_timeout_s=1)
 
@@ -1000,7 +1008,7 @@ async def test_replacement_controller_adopts_running_actors(ray_cluster, model_d
         assert await second.wait_converged(30)
         [adopted] = second.ready()
         assert (adopted.name, adopted.actor_name) == (old.name, old.actor_name)
-        assert [e["event"] for e in second.events] == ["adopted"]
+        assert [e.event for e in second.events] == ["adopted"]
         request = GenerateRequest("adopted", (5, 6, 7), SamplingParams(max_tokens=4))
         deltas = [d async for d in second.stream(adopted, request)]
         assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 4
@@ -1215,7 +1223,7 @@ def test_killed_actor_fails_its_requests_and_is_replaced(http, gateway):
     names = {r.name for r in pool.ready()}
     assert victim.name not in names and len(names) == 2
     # the replacement carries its slot's restart count; the untouched replica has none
-    assert sorted(a["restarts"] for a in pool.status()["actors"]) == [0, victim.restarts + 1]
+    assert sorted(a.restarts for a in pool.status().actors) == [0, victim.restarts + 1]
     assert (
         http.post(
             "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}

@@ -11,9 +11,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.devtools.testing import in_loop
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.config import spec_for_model
-from specd.workers.testing import in_loop
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ async def keep_busy(client: httpx.AsyncClient, until) -> None:
 
 
 def events(gateway, kind: str) -> list[dict]:
-    return [e for e in in_loop(gateway, lambda: list(gateway.pool.events)) if e["event"] == kind]
+    return [e for e in in_loop(gateway, lambda: list(gateway.pool.events)) if e.event == kind]
 
 
 async def test_load_scales_up_and_a_lull_scales_down_keeping_sessions(gateway):
@@ -90,7 +90,7 @@ async def test_load_scales_up_and_a_lull_scales_down_keeping_sessions(gateway):
         await asyncio.gather(*(keep_busy(client, two_ready) for _ in range(3)))
         assert len(pool.ready()) == 2, pool.status()
         [up] = events(gateway, "autoscaled")
-        assert up["detail"].startswith("1 -> 2 replicas")
+        assert up.detail.startswith("1 -> 2 replicas")
         status = (await client.get("/admin/status")).json()
         assert status["desired_replicas"] == 2
         assert status["autoscaling"]["max_replicas"] == 2
@@ -120,9 +120,9 @@ async def test_load_scales_up_and_a_lull_scales_down_keeping_sessions(gateway):
             assert time.monotonic() < deadline, pool.status()
             await asyncio.sleep(0.2)
         down = events(gateway, "autoscaled")[-1]
-        assert down["detail"].startswith("2 -> 1 replicas")
+        assert down.detail.startswith("2 -> 1 replicas")
         assert events(gateway, "sessions moved")
-        assert pool.session_homes.outcomes["kv"] == 1
+        assert pool.session_directory.outcomes["kv"] == 1
 
         for sid in sessions:  # both continue on the replica that stayed, history reused
             r = await client.post(CMPL, json=body([15], session_id=sid))
@@ -145,7 +145,7 @@ def zero_gateway(serve_gateway, tmp_path_factory):
 
 async def scaled_to_zero(pool, within_s: float = 60) -> None:
     deadline = time.monotonic() + within_s
-    while not (pool.desired_replicas == 0 and pool.converged() and not pool.status()["actors"]):
+    while not (pool.desired_replicas == 0 and pool.converged() and not pool.status().actors):
         assert time.monotonic() < deadline, pool.status()
         await asyncio.sleep(0.1)
 
@@ -172,7 +172,7 @@ async def test_an_idle_pool_scales_to_zero_and_requests_wake_it(zero_gateway):
             }),
         )  # fmt: skip
         assert [r.status_code for r in cold] == [200] * 4, [r.text for r in cold]
-        woke = [e for e in events(gateway, "autoscaled") if e["detail"].startswith("0 -> ")]
+        woke = [e for e in events(gateway, "autoscaled") if e.detail.startswith("0 -> ")]
         assert len(woke) == 1, events(gateway, "autoscaled")
         assert pool.held_requests == 0
 

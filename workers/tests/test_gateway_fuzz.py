@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
+from specd.devtools.testing import DEMO_TARGET, running_gateway
 from specd.workers.config import spec_for_model
-from specd.workers.testing import DEMO_TARGET, running_gateway
 
 pytestmark = pytest.mark.slow
 

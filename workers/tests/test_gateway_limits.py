@@ -18,10 +18,10 @@ import httpx
 import pytest
 import ray
 
+from specd.devtools.testing import in_loop
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.config import spec_for_model
 from specd.workers.model.tokenizer import decode_text, load_tokenizer
-from specd.workers.testing import in_loop
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 
 MODEL = "tiny"
 CONTEXT = 2048

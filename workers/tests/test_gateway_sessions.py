@@ -19,15 +19,15 @@ import httpx
 import pytest
 import ray
 
-from specd.workers.api_keys import ApiKeys, key_id
+from specd.devtools.testing import in_loop, running_gateway
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+from specd.devtools.tiny_draft import make_tiny_eagle
 from specd.workers.config import spec_for_model
-from specd.workers.engine.types import GenerateRequest, SamplingParams
+from specd.workers.gateway.api_keys import ApiKeys, key_id
+from specd.workers.gateway.ownership import Owners
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
-from specd.workers.ownership import Owners
-from specd.workers.session_homes import SessionHomes
-from specd.workers.testing import in_loop, running_gateway
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
-from specd.workers.tools.tiny_draft import make_tiny_eagle
+from specd.workers.pool.session_directory import SessionDirectory
+from specd.workers.types import GenerateRequest, SamplingParams
 
 MODEL = "tiny"
 CONTEXT = 1024
@@ -202,12 +202,12 @@ async def test_first_turns_gather_where_their_prompt_is_cached(client, gateway):
     warm = await turn(client, None, system + [7, 7], max_tokens=2)
     assert warm.status_code == 200, warm.text
     deadline = time.monotonic() + 30  # earlier tests' sessions closed: probes catch up
-    while any(r.load.get("sessions_open") for r in pool.ready()):
+    while any(r.load.sessions_open for r in pool.ready()):
         assert time.monotonic() < deadline, [r.load for r in pool.ready()]
         await asyncio.sleep(0.1)
     opened = [(await client.post("/v1/sessions")).json() for _ in range(2)]
     assert len({o["replica"] for o in opened}) == 2, opened  # fewest sessions first
-    moved_before = pool.session_homes.placements["moved"]
+    moved_before = pool.session_directory.placements["moved"]
     histories = {}
     for i, session in enumerate(opened):
         prompt = system + [9, 10 + i]
@@ -217,9 +217,9 @@ async def test_first_turns_gather_where_their_prompt_is_cached(client, gateway):
         assert text_of(r.json()) == ref_text
         assert cached(r.json()["usage"]) == len(system), f"session {i}"
         histories[session["id"]] = prompt + ref_ids
-    homes = {pool.session_homes.home_of(o["id"].rpartition(".")[2]) for o in opened}
+    homes = {pool.session_directory.home_of(o["id"].rpartition(".")[2]) for o in opened}
     assert len(homes) == 1, homes  # together
-    assert pool.session_homes.placements["moved"] == moved_before + 1
+    assert pool.session_directory.placements["moved"] == moved_before + 1
 
     async def next_turn(sid: str, prompt: list[int]) -> None:
         ref_ids, ref_text = await plain_generation(gateway, histories[sid] + prompt)
@@ -231,7 +231,7 @@ async def test_first_turns_gather_where_their_prompt_is_cached(client, gateway):
 
     for sid in histories:
         await next_turn(sid, [11, 12])
-    in_loop(gateway, setattr, pool, "session_homes", SessionHomes())  # a restarted gateway's
+    in_loop(gateway, setattr, pool, "session_directory", SessionDirectory())  # a restarted gateway's
     for sid in histories:
         await next_turn(sid, [13])
         await close_session(client, sid)
@@ -258,13 +258,13 @@ async def test_a_full_replica_leaves_a_first_turn_where_it_was(client, gateway):
     opened = (await client.post("/v1/sessions")).json()
     assert opened["replica"] == other.name, opened
     mine = opened["id"]
-    refused_before = pool.session_homes.placements["refused"]
+    refused_before = pool.session_directory.placements["refused"]
     _, ref_text = await plain_generation(gateway, prompt)
     r = await turn(client, mine, prompt)
     assert r.status_code == 200, r.text
     assert text_of(r.json()) == ref_text
-    assert pool.session_homes.placements["refused"] == refused_before + 1
-    assert pool.session_homes.home_of(mine.rpartition(".")[2]) == other.actor_name
+    assert pool.session_directory.placements["refused"] == refused_before + 1
+    assert pool.session_directory.home_of(mine.rpartition(".")[2]) == other.actor_name
     for sid in [*fillers[holder.name], *fillers[other.name], mine]:
         await close_session(client, sid)
 
@@ -522,13 +522,13 @@ async def test_sessions_survive_a_rolling_update(client, gateway):
         assert time.monotonic() < deadline, "the rolling update did not finish"
         talked = await talk([6, 7])
     assert {r.config_hash for r in pool.ready()} == {new.config_hash()}
-    assert pool.session_homes.outcomes["ended"] == 0
-    assert pool.session_homes.outcomes["kv"] >= len(idle)
-    assert any(e["event"] == "sessions moved" for e in pool.events)
+    assert pool.session_directory.outcomes["ended"] == 0
+    assert pool.session_directory.outcomes["kv"] >= len(idle)
+    assert any(e.event == "sessions moved" for e in pool.events)
     for sid in idle:
         await exact_turn(sid, [8, 9])
 
-    in_loop(gateway, setattr, pool, "session_homes", SessionHomes())  # a restarted gateway's
+    in_loop(gateway, setattr, pool, "session_directory", SessionDirectory())  # a restarted gateway's
     for sid in idle:
         await exact_turn(sid, [10])
     talked = await talk([11])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specd.kernels.emulated_graph import GraphCaptureError
-from specd.workers.engine.graph_runner import GraphRunner, default_sizes
+from specd.workers.runner.graph_runner import GraphRunner, default_sizes
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.workers.greedy_judge import GreedyJudge
-from specd.workers.testing import (
+from specd.devtools.greedy_judge import GreedyJudge
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     Reference,

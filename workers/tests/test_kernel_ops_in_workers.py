@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specd.kernels.metadata import build_metadata_from_slots
-from specd.kernels.ops import TORCH_OPS, get_ops
+from specd.kernels.ops import TORCH_OPS
+from specd.kernels.ops_choice import get_ops
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool

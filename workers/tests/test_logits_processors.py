@@ -19,17 +19,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from specd.workers.engine.logits_processors import (
-    LogitsProcessors,
-    check_processor_params,
-    path_counts,
-    processes_logits,
-)
-from specd.workers.engine.sampling import filtered_probs
-from specd.workers.engine.types import FinishReason, InvalidRequest, SamplingParams
-from specd.workers.scheduler.request import Req
-from specd.workers.speculative.tree import build_tree, expand_step, first_step
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     collect,
@@ -40,6 +30,16 @@ from specd.workers.testing import (
     start_engine,
     start_spec_engine,
 )
+from specd.workers.requests.request import Req
+from specd.workers.runner.logits_processors import (
+    LogitsProcessors,
+    check_processor_params,
+    path_counts,
+    processes_logits,
+)
+from specd.workers.runner.sampling import filtered_probs
+from specd.workers.speculative.tree import build_tree, expand_step, first_step
+from specd.workers.types import FinishReason, InvalidRequest, SamplingParams
 
 NEW_TOKENS = 24
 EOS = 1  # the demo target's
@@ -288,7 +288,7 @@ def test_greedy_with_processors_equals_transformers(kind, expected):
     try:
         got = run_mixed(engine, prompts, params)
         assert [g[0] for g in got] == outputs
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
         if kind not in ("plain", "plain overlap"):
             assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
     finally:
@@ -346,7 +346,7 @@ def test_sampled_requests_never_draw_a_token_biased_away(kind):
             seed=5,
             logit_bias=banned,
         )
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
     drawn = {t for r in results for t in r[0]}
@@ -400,7 +400,7 @@ def test_cuda_backends_apply_processors_with_graphs(backend, layout, expected, h
     prompts, params, outputs = expected
     try:
         got = [g[0] for g in run_mixed(engine, prompts, params)]
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
     if dtype == "float32":

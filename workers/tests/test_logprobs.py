@@ -11,13 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from specd.kernels import available_backends
-from specd.workers.engine.logprobs import MAX_TOP_LOGPROBS, logprob_tensors, prompt_targets
-from specd.workers.engine.types import GenerateRequest, InvalidRequest, SamplingParams
-from specd.workers.greedy_judge import GreedyJudge
-from specd.workers.model.tokenizer import load_tokenizer
-from specd.workers.scheduler.request import Req
-from specd.workers.testing import (
+from specd.devtools.greedy_judge import GreedyJudge
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     demo_prompts,
@@ -25,6 +20,11 @@ from specd.workers.testing import (
     random_prompts,
     start_engine,
 )
+from specd.kernels import available_backends
+from specd.workers.model.tokenizer import load_tokenizer
+from specd.workers.requests.request import Req
+from specd.workers.runner.logprobs import MAX_TOP_LOGPROBS, logprob_tensors, prompt_targets
+from specd.workers.types import GenerateRequest, InvalidRequest, SamplingParams
 
 NEW_TOKENS = 24
 ATOL = 2e-4  # float32 engine vs float32 transformers (other kernels, other batch shapes)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specd.devtools.testing import RecordingOps
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager, RequestKV, RowWidthExceeded
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
@@ -14,7 +15,6 @@ from specd.workers.mem_cache.sizing import (
     extra_context_len,
     row_width,
 )
-from specd.workers.testing import RecordingOps
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ from tokenizers.models import BPE
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from specd.devtools import tiny_checkpoint
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
 from specd.kernels import build_attention_metadata, get_backend
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.model.config import ModelConfig, ModelLoadError, parse_rope
@@ -30,8 +32,6 @@ from specd.workers.model.tokenizer import (
     load_tokenizer,
     token_bytes_reader,
 )
-from specd.workers.tools import tiny_checkpoint
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
 
 ATOL = 1e-4
 DECODE_STEPS = 8

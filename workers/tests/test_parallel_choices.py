@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.parallel_choices import choice_requests, merge_streams
+from specd.workers.gateway.parallel_choices import choice_requests, merge_streams
+from specd.workers.types import GenerateRequest, SamplingParams
 
 
 def test_choice_requests_get_ids_and_consecutive_seeds():

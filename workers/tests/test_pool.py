@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import pytest
 
 from specd.workers.config import RoutingSpec, spec_for_model
-from specd.workers.pool import Plan, PoolController, Replica, ReplicaState, plan_reconcile
+from specd.workers.pool.controller import PoolController
+from specd.workers.pool.plan import Plan, plan_reconcile
+from specd.workers.pool.replica import Replica, ReplicaState
 
 
 @dataclass
@@ -103,7 +105,7 @@ def pool_of(replicas=1, **spec) -> PoolController:
 
 def test_the_pool_keeps_the_autoscalers_count_and_counts_set_by_hand():
     pool = pool_of(2)
-    assert pool.desired_replicas == 2 and pool.status()["autoscaling"] is None
+    assert pool.desired_replicas == 2 and pool.status().autoscaling is None
     with_autoscaling = spec_for_model("/m", replicas=2, **AUTOSCALED)
     pool.update_spec(with_autoscaling)
     assert pool.desired_replicas == 2  # it starts from the count in force
@@ -135,7 +137,7 @@ def test_the_pool_feeds_the_autoscaler_its_open_streams():
     assert pool.desired_replicas == 1  # asked for, not yet for the delay
     pool._autoscale(policy.upscale_delay_seconds)
     assert pool.desired_replicas == 4
-    [event] = [e for e in pool.events if e["event"] == "autoscaled"]
-    assert event["detail"].startswith("1 -> 4 replicas: 9.0 ongoing requests (target 2")
+    [event] = [e for e in pool.events if e.event == "autoscaled"]
+    assert event.detail.startswith("1 -> 4 replicas: 9.0 ongoing requests (target 2")
     status = pool.status()
-    assert status["desired_replicas"] == 4 and status["autoscaling"]["proposal"] == 4
+    assert status.desired_replicas == 4 and status.autoscaling.proposal == 4

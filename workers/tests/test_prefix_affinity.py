@@ -7,17 +7,19 @@ import random
 
 import pytest
 
+from specd.devtools.status_docs import replica_info, replica_status
 from specd.workers.config import spec_for_model
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.block_keys import EvictedBlocks
 from specd.workers.mem_cache.prefix_cache import PrefixCache
-from specd.workers.pool import PoolController, Replica, ReplicaState
-from specd.workers.prefix_affinity import (
+from specd.workers.pool.controller import PoolController
+from specd.workers.pool.prefix_affinity import (
     CacheShape,
-    EvictedBlocks,
     PrefixAffinity,
     PromptBlocks,
     block_keys,
 )
+from specd.workers.pool.replica import Replica, ReplicaState
 
 SHAPE = CacheShape(page_size=1, capacity_tokens=4096)  # blocks of 16 tokens
 
@@ -93,7 +95,7 @@ def pool_of(names, model_dir, **routing) -> PoolController:
     pool = PoolController(spec, actor_factory=None)
     for name in names:
         replica = Replica(name, f"actor-{name}", None, spec.config_hash(), ReplicaState.READY)
-        replica.info = {"prefix_cache": {"page_size": 1, "capacity_tokens": 4096}}
+        replica.info = replica_info(name, spec.config_hash())  # a prefix cache of page 1
         pool._replicas[name] = replica
     return pool
 
@@ -114,7 +116,7 @@ def test_prompt_groups_stick_to_a_replica_and_spread_over_the_pool(model_dir):
     assert sorted(where.values()) == ["r0", "r0", "r1", "r1"]  # distinct prefixes spread
     assert pool.routed_by_reason() == {"load": 4, "prefix": 8}
     assert pool.routed_hit_tokens.total() == 8 * 192  # 200 tokens: 12 whole blocks of 16
-    assert pool.status()["routing"]["routed"] == {"load": 4, "prefix": 8}
+    assert pool.status().routing.routed == {"load": 4, "prefix": 8}
 
 
 def test_a_busy_cached_replica_loses_the_prompt_to_the_least_loaded(model_dir):
@@ -175,6 +177,12 @@ def test_an_engine_reports_the_keys_of_blocks_whose_last_page_it_evicted():
     assert log.snapshot()["total"] == 3 and len(log.snapshot()["keys"]) == 2  # newest kept
 
 
+def evicted_status(replica: Replica, log: EvictedBlocks):
+    """A probe's answer from ``replica`` whose prefix cache evicted what ``log`` holds."""
+    prefix_cache = {"queried_tokens": 0, "hit_tokens": 0, "evicted_blocks": log.snapshot()}
+    return replica_status(replica.name, replica.config_hash, prefix_cache=prefix_cache)
+
+
 def test_a_probe_takes_evicted_blocks_off_the_replicas_record(model_dir):
     """After the engine reports evicting a prompt's blocks, the gateway no longer
     predicts a hit there: the prompt goes by load, and each report is taken once."""
@@ -185,9 +193,9 @@ def test_a_probe_takes_evicted_blocks_off_the_replicas_record(model_dir):
     log = EvictedBlocks(page_size=1)
     for key in reversed(block_keys(system + [1], 16)):  # leaves first, as the trie evicts
         log.evicted(key)
-    pool.note_status(home, {"prefix_cache": {"evicted_blocks": log.snapshot()}})
+    pool.note_status(home, evicted_status(home, log))
     assert pool.affinity.tracked_tokens(home.name, SHAPE) == 0  # its 12 blocks are gone
     home.inflight = 1  # busier: without the hit, the prompt goes by load
     assert pool.route(system + [3]) is not home
     assert pool.routed_by_reason() == {"load": 2, "prefix": 1}
-    pool.note_status(home, {"prefix_cache": {"evicted_blocks": log.snapshot()}})  # seen
+    pool.note_status(home, evicted_status(home, log))  # seen

@@ -9,21 +9,7 @@ import asyncio
 
 import pytest
 
-from specd.workers.engine.types import GenerateRequest, SamplingParams
-from specd.workers.mem_cache.allocator import PagedTokenAllocator
-from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
-from specd.workers.mem_cache.leak_check import token_pool_balance
-from specd.workers.mem_cache.prefix_cache import PrefixCache
-from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.prefix_affinity import (
-    CacheShape,
-    PrefixAffinity,
-    PromptBlocks,
-    block_keys,
-    next_key,
-)
-from specd.workers.scheduler.scheduler import shared_prefix_len
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     demo_prompts,
@@ -35,6 +21,20 @@ from specd.workers.testing import (
     start_spec_engine,
     wait_idle,
 )
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.block_keys import next_key
+from specd.workers.mem_cache.kv_manager import KVManager, RequestKV
+from specd.workers.mem_cache.leak_check import token_pool_balance
+from specd.workers.mem_cache.prefix_cache import PrefixCache
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.pool.prefix_affinity import (
+    CacheShape,
+    PrefixAffinity,
+    PromptBlocks,
+    block_keys,
+)
+from specd.workers.scheduler.prefix_sharing import shared_prefix_len
+from specd.workers.types import GenerateRequest, SamplingParams
 
 # -- the trie --------------------------------------------------------------------
 
@@ -283,9 +283,9 @@ def test_shared_prefixes_hit_the_cache_and_stay_exact(kind, shared_prefix_prompt
         assert hits >= sum(u.cached_tokens for u in usages) + 37 // page * page * 3
         assert metric_value(engine, "specd_prefix_cache_queried_tokens_total") > hits
         assert wait_idle(engine)
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
-        assert engine.status()["kv_cached_tokens"] > 0 and request_held_tokens(engine) == 0
+        assert engine.status().kv_cached_tokens > 0 and request_held_tokens(engine) == 0
     finally:
         engine.shutdown()
     engine.kv.check_integrity()
@@ -305,7 +305,7 @@ def test_a_small_pool_evicts_the_cache_and_stays_exact(shared_prefix_prompts):
         assert metric_value(engine, "specd_prefix_cache_hit_tokens_total") > 0
         assert metric_value(engine, "specd_retractions_total") > 0
         assert wait_idle(engine)
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
         assert request_held_tokens(engine) == 0
     finally:
         engine.shutdown()
@@ -317,7 +317,7 @@ def test_the_gateway_learns_which_blocks_an_engine_evicted():
     in its status, keyed as the gateway keyed the prompt: the record forgets them."""
     first, *others = demo_prompts(4, 96)
     engine = start_engine(DEMO_TARGET, kvCache={"pageSize": 4, "maxTokens": 224})
-    shape = CacheShape.from_info({"prefix_cache": engine.prefix_cache_shape()})
+    shape = CacheShape.of(engine.prefix_cache_shape())
     record = PrefixAffinity()
     try:
         run_all(engine, [first], max_tokens=4, ignore_eos=True)
@@ -325,11 +325,11 @@ def test_the_gateway_learns_which_blocks_an_engine_evicted():
         assert record.predicted_hits(PromptBlocks(first), {"r0": shape}) == {"r0": 80}
         for prompt in others:  # one at a time: each one's pages push older ones out
             run_all(engine, [prompt], max_tokens=4, ignore_eos=True)
-        evicted = engine.status()["prefix_cache"]["evicted_blocks"]
+        evicted = engine.status().prefix_cache.evicted_blocks
     finally:
         engine.shutdown()
-    assert set(block_keys(first, shape.block_tokens)) <= set(evicted["keys"])
-    record.discard("r0", evicted["keys"])
+    assert set(block_keys(first, shape.block_tokens)) <= set(evicted.keys)
+    record.discard("r0", evicted.keys)
     assert record.predicted_hits(PromptBlocks(first), {"r0": shape}) == {"r0": 0}
 
 
@@ -353,7 +353,7 @@ def test_prompt_scoring_and_a_disabled_cache_compute_every_prompt_token(shared_p
             results = run_all(engine, prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
             assert [r[0] for r in results] == expected
             assert all(r[2].usage.cached_tokens == 0 for r in results)
-        assert engine.kv.cache is None and engine.status()["kv_cached_tokens"] == 0
+        assert engine.kv.cache is None and engine.status().kv_cached_tokens == 0
         assert wait_idle(engine) and engine.allocator.used_tokens == 0
     finally:
         engine.shutdown()
@@ -395,7 +395,7 @@ def test_the_next_turn_of_a_conversation_finds_the_last_answer(kind, shared_pref
         assert [r[0] for r in second] == expected
         final = [len(p) + NEW_TOKENS - 1 for p in prompts[:2]]
         assert [r[2].usage.cached_tokens for r in second] == [n // page * page for n in final]
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
 
@@ -422,7 +422,7 @@ def test_a_request_starts_on_the_prefill_of_one_still_running(kind, shared_prefi
 
     try:
         tokens, (second_tokens, usage) = asyncio.run(go())
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
     assert [tokens[:NEW_TOKENS], second_tokens] == expected[:2]
@@ -443,7 +443,7 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(kind, shared_pr
         results = run_all(engine, batch, max_tokens=NEW_TOKENS, ignore_eos=True)
         assert [r[0] for r in results] == [expected[0], *expected[:3]]
         assert wait_idle(engine) and request_held_tokens(engine) == 0
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
     cached = [r[2].usage.cached_tokens for r in results]

@@ -7,14 +7,7 @@ import asyncio
 
 import pytest
 
-from specd.workers.config import ConfigError
-from specd.workers.engine.types import FinishReason
-from specd.workers.mem_cache.allocator import PagedTokenAllocator
-from specd.workers.mem_cache.kv_manager import KVManager
-from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.scheduler.request import RequestStatus
-from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from specd.workers.testing import (
+from specd.devtools.testing import (
     collect,
     hf_greedy,
     metric_value,
@@ -23,6 +16,13 @@ from specd.workers.testing import (
     start_spec_engine,
     wait_idle,
 )
+from specd.workers.config import ConfigError
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.requests.request import RequestStatus
+from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from specd.workers.types import FinishReason
 
 from .test_scheduler import EOS, req, step
 
@@ -167,7 +167,7 @@ async def _low_then_high(engine, prompts):
 
 
 def _request(rid, prompt, priority, max_tokens):
-    from specd.workers.engine.types import GenerateRequest, SamplingParams
+    from specd.workers.types import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return GenerateRequest(rid, tuple(prompt), params, priority=priority)
@@ -198,7 +198,7 @@ def test_a_preempted_request_resumes_exactly(pair, references, engine_kind):
         assert low == expected[0] and high == expected[1][:6]
         assert metric_value(engine, "specd_preemptions_total") == 1
         assert metric_value(engine, "specd_retractions_total") == 0
-        assert engine.status()["preemptions"] == 1
+        assert engine.status().preemptions == 1
         assert wait_idle(engine)
     finally:
         engine.shutdown()

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from specd.workers.rate_limits import LimitRequestRate, RateLimits, rate_headers
+from specd.workers.gateway.rate_limits import LimitRequestRate, RateLimits, rate_headers
 
 
 class Clock:

@@ -9,9 +9,9 @@ import random
 import pydantic
 import pytest
 
+from specd.workers.gateway.protocol import ChatCompletionRequest, ChatFormat, ChoiceResult
+from specd.workers.gateway.reasoning import PARSERS, ReasoningStream
 from specd.workers.model.tokenizer import apply_chat_template, load_tokenizer
-from specd.workers.openai_protocol import ChatCompletionRequest, ChatFormat, ChoiceResult
-from specd.workers.reasoning import PARSERS, ReasoningStream
 
 R1, QWEN3 = PARSERS["deepseek_r1"], PARSERS["qwen3"]
 OPENED = "<|im_start|>assistant\n<think>\n"  # a template that opens the thinking block

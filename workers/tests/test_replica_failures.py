@@ -26,13 +26,14 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 import specd
-from specd.workers.actor import MAX_CONCURRENCY, EngineActor
+from specd.devtools.testing import DEMO_EAGLE, DEMO_MODELS, DEMO_TARGET
 from specd.workers.cli import EXIT_INVALID, main
 from specd.workers.config import spec_for_model
-from specd.workers.gateway import build_app
+from specd.workers.gateway.app import build_app
 from specd.workers.model.tokenizer import load_tokenizer
-from specd.workers.pool import DeathReason, PoolController
-from specd.workers.testing import DEMO_EAGLE, DEMO_MODELS, DEMO_TARGET
+from specd.workers.pool.actor import MAX_CONCURRENCY, EngineActor
+from specd.workers.pool.controller import PoolController
+from specd.workers.pool.replica import DeathReason
 
 EXAMPLES = DEMO_MODELS.parent
 UNSUPPORTED = "architecture FooForCausalLM is not supported"
@@ -159,7 +160,7 @@ async def test_a_model_that_fails_to_load_twice_alike_is_not_restarted(
             failure = await _wait(pool.current_failure, 90, "the pool to give up")
             assert UNSUPPORTED in failure.message
             await asyncio.sleep(5)  # longer than the backoff after two failures (4 s)
-            starts = [e for e in pool.events if e["event"] == "starting"]
+            starts = [e for e in pool.events if e.event == "starting"]
             assert len(starts) == 2, list(pool.events)
             status = (await http.get("/admin/status")).json()
             assert UNSUPPORTED in status["failure"]["message"]
@@ -184,7 +185,7 @@ def test_a_serve_gateway_stops_with_the_failure(ray_cluster, foo_model):
     """What `specd serve` does when a load error gets past its check of the folders:
     after the second identical failure its gateway stops by itself, saying why (the
     CLI then exits 2 with ``failure``)."""
-    from specd.workers.gateway import Gateway
+    from specd.workers.gateway.app import Gateway
 
     spec = spec_for_model(foo_model, replicas=1, resources={"cpu": 0.5})
     gw = Gateway(spec, name="foo-serve", port=0, stop_on_failure=True)
@@ -192,7 +193,7 @@ def test_a_serve_gateway_stops_with_the_failure(ray_cluster, foo_model):
     asyncio.run(asyncio.wait_for(gw.run(handle_signals=False), 120))
     print(f"the gateway stopped {time.monotonic() - started:.1f}s after it started")
     assert gw.failure is not None and UNSUPPORTED in gw.failure.message
-    assert [e["event"] for e in gw.pool.events].count("starting") == 2, list(gw.pool.events)
+    assert [e.event for e in gw.pool.events].count("starting") == 2, list(gw.pool.events)
 
 
 # -- a gateway whose engines' loops die (seed 004's bonus pre-claim reverted) --------------
@@ -225,7 +226,7 @@ def failing_gateway(ray_cluster, pair):
     and no bonus pre-claim: its first speculative request fails a leak check, which
     stops its engine loop.  Health probes every 30 s: what turns /health 503 is not a
     probe."""
-    from specd.workers.gateway import Gateway
+    from specd.workers.gateway.app import Gateway
 
     target, eagle, _ = pair
     spec = spec_for_model(

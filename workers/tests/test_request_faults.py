@@ -11,11 +11,7 @@ import math
 import pytest
 import torch
 
-from specd.workers.engine.request_faults import contained, replica_fault, unusable_rows
-from specd.workers.engine.sampling import check_sampling_params, sample_next_tokens
-from specd.workers.engine.types import Grammar, InvalidRequest, SamplingParams
-from specd.workers.scheduler.request import Req
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     check_leak_free,
@@ -25,6 +21,10 @@ from specd.workers.testing import (
     start_spec_engine,
     wait_idle,
 )
+from specd.workers.requests.faults import contained, replica_fault, unusable_rows
+from specd.workers.requests.request import Req
+from specd.workers.runner.sampling import check_sampling_params, sample_next_tokens
+from specd.workers.types import Grammar, InvalidRequest, SamplingParams
 
 VOCAB = 1000
 NOTHING = "[^\\x00-\\U0010FFFF]"  # a character class no character is in
@@ -137,7 +137,7 @@ def test_hostile_requests_fail_alone(engine):
     sid = engine.open_session()
     asyncio.run(collect(engine, "turn", prompt[:20], session_id=sid, max_tokens=8))
     assert wait_idle(engine)
-    session_kv = engine.status()["session_kv_tokens"]
+    session_kv = engine.status().session_kv_tokens
     assert session_kv > 0
 
     async def both(params):
@@ -156,11 +156,11 @@ def test_hostile_requests_fail_alone(engine):
         assert normal == alone and normal_last.finish_reason.value == "length", name
         assert engine.healthy, (name, engine.last_error)
         assert wait_idle(engine), name
-        assert engine.status()["session_kv_tokens"] == session_kv, name  # the session kept it
+        assert engine.status().session_kv_tokens == session_kv, name  # the session kept it
     # the session still serves a turn over its history
     _, _, turn = asyncio.run(collect(engine, "turn2", prompt[20:30], session_id=sid, max_tokens=4))
     assert turn.usage.cached_tokens > 0 and turn.error is None
     engine.close_session(sid)
     assert wait_idle(engine)
     check_leak_free(engine)
-    assert engine.status()["leak_check_failures"] == 0
+    assert engine.status().leak_check_failures == 0

@@ -12,10 +12,10 @@ import openai
 import pytest
 import ray
 
-from specd.workers.api_keys import ApiKeys
+from specd.devtools.testing import running_gateway
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.config import spec_for_model
-from specd.workers.testing import running_gateway
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+from specd.workers.gateway.api_keys import ApiKeys
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
@@ -201,7 +201,7 @@ def _translated(chat_chunks: list[dict | str]) -> list[dict]:
     `ResponseEvents` -> the Responses events' payloads."""
     import asyncio
 
-    from specd.workers.responses_api import ResponseEvents, ResponsesRequest
+    from specd.workers.gateway.responses_api import ResponseEvents, ResponsesRequest
 
     async def chat():
         for chunk in chat_chunks:

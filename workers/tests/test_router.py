@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specd.workers.config import RoutingSpec
-from specd.workers.pool import actor_name, replica_of_actor
-from specd.workers.router import (
+from specd.workers.pool.replica import actor_name, replica_of_actor
+from specd.workers.pool.router import (
     ReplicaLoad,
     parse_session_token,
     pick_for_prompt,

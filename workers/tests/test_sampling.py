@@ -4,10 +4,10 @@ the deployment's sampling defaults fill what a request leaves out."""
 import pytest
 import torch
 
-from specd.workers.engine.sampling import greedy_ids, sample_next_tokens
-from specd.workers.engine.types import SamplingParams
-from specd.workers.openai_protocol import ChatCompletionRequest, CompletionRequest
-from specd.workers.scheduler.request import Req
+from specd.workers.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from specd.workers.requests.request import Req
+from specd.workers.runner.sampling import greedy_ids, sample_next_tokens
+from specd.workers.types import SamplingParams
 
 
 @pytest.mark.parametrize("shape", [(8192,), (6, 8192), (2, 3, 17)])
@@ -63,3 +63,14 @@ def test_defaults_fill_only_the_fields_a_request_leaves_out(kind):
     plain = kind.model_validate(body).sampling_params(16)
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, -1)
     assert (plain.repetition_penalty, plain.min_p) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_a_top_p_below_float32s_smallest_still_keeps_the_top_token(top_p):
+    # 5e-324 is a valid float in (0, 1] that rounds to 0 in float32: without the first
+    # token pinned, every token was dropped and the request failed "logits are not finite"
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    reqs = [_req("a", temperature=1.0, top_p=top_p, seed=1), _req("b", temperature=1.0, top_p=top_p)]
+    tokens, unusable = sample_next_tokens(logits, reqs)
+    assert not unusable.any()
+    assert tokens.tolist() == logits.argmax(-1).tolist()

@@ -2,14 +2,14 @@
 
 import pytest
 
-from specd.workers.engine.types import FinishReason, SamplingParams
+from specd.devtools.testing import RecordingOps
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.kv_manager import KVManager
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.scheduler.batch import RunnerOutput
-from specd.workers.scheduler.request import Req, RequestStatus
+from specd.workers.requests.batch import RunnerOutput
+from specd.workers.requests.request import Req, RequestStatus
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
-from specd.workers.testing import RecordingOps
+from specd.workers.types import FinishReason, SamplingParams
 
 EOS = 0
 

@@ -13,14 +13,7 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from specd.workers.debug_toggles import reverted_behaviours
-from specd.workers.engine.types import (
-    FinishReason,
-    GenerateRequest,
-    SamplingParams,
-    SessionError,
-)
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_MODELS,
     collect,
     hf_greedy,
@@ -29,7 +22,14 @@ from specd.workers.testing import (
     start_engine,
     wait_idle,
 )
-from specd.workers.tools.tiny_checkpoint import make_tiny_checkpoint
+from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+from specd.workers.debug_toggles import reverted_behaviours
+from specd.workers.types import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    SessionError,
+)
 
 MAX_NEW = 12
 CONFIGS = {
@@ -96,17 +96,17 @@ def expected_chain(engine, turns, max_tokens=MAX_NEW):
 def assert_clean(engine):
     """After the scenario's sessions closed: no KV or row held, no leak failure."""
     deadline = time.monotonic() + 5
-    while (engine.status()["sessions_open"] or not wait_idle(engine, 0.1)) and (
+    while (engine.status().sessions_open or not wait_idle(engine, 0.1)) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.02)
-    assert engine.status()["kv_used_tokens"] == 0, engine.status()
+    assert engine.status().kv_used_tokens == 0, engine.status()
     time.sleep(0.1)  # the idle check of this idle period has run
     assert metric_value(engine, "specd_sessions_open") == 0
     assert metric_value(engine, "specd_session_kv_tokens") == 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
     assert metric_value(engine, "specd_leak_checks_total", mode="idle", result="ok") > 0
-    assert engine.status()["healthy"], engine.status()["last_error"]
+    assert engine.status().healthy, engine.status().last_error
     assert engine.req_pool.num_free == engine.req_pool.num_rows
 
 
@@ -129,8 +129,8 @@ def test_kv_inheritance_over_three_turns(engine):
         assert last.usage.prompt_tokens == history + len(prompt)
         history += len(prompt) + len(tokens)
     assert wait_idle(engine)
-    assert engine.status()["sessions_open"] == 1
-    assert engine.status()["session_kv_tokens"] >= history - 1
+    assert engine.status().sessions_open == 1
+    assert engine.status().session_kv_tokens >= history - 1
     engine.close_session(sid)
     assert_clean(engine)
 
@@ -303,7 +303,7 @@ def test_idle_sessions_expire(models):
     try:
         sid = engine.open_session()
         asyncio.run(turn(engine, sid, "e0", [5, 6, 7, 8]))
-        assert wait_idle(engine) and engine.status()["session_kv_tokens"] > 0
+        assert wait_idle(engine) and engine.status().session_kv_tokens > 0
         time.sleep(1.6)
         _, _, last = asyncio.run(turn(engine, sid, "e1", [9]))
         assert last.error_code == 410 and "expired" in last.error
@@ -376,7 +376,7 @@ def test_sessions_share_a_system_prompt_through_the_prefix_cache(engine, models)
         first = [await first_turn(0)]
         first += await asyncio.gather(first_turn(1), first_turn(2))
         assert wait_idle(engine)
-        held = engine.status()["session_kv_tokens"]
+        held = engine.status().session_kv_tokens
         second = [
             await turn(engine, sid, f"sp{s}t1", chain[1])
             for s, (sid, chain) in enumerate(zip(sids, chains, strict=True))
@@ -611,7 +611,7 @@ def test_a_destination_short_of_kv_takes_the_history_only(models):
         snapshot = two_turns_then_leave(source, sid)
         assert len(snapshot.history) > 32
         assert asyncio.run(dest.import_session(snapshot)) is False
-        assert dest.status()["kv_used_tokens"] == 0
+        assert dest.status().kv_used_tokens == 0
         assert metric_value(dest, "specd_session_arrivals_total", carried="history") == 1
         dest.close_session(sid)
         assert_clean(dest)
@@ -643,7 +643,7 @@ def test_refused_moves_leave_the_destination_untouched(models, tmp_path):
             with pytest.raises(SessionError, match=needle) as refused:
                 asyncio.run(engine.import_session(snapshot))
             assert refused.value.code == code
-            assert engine.status()["kv_used_tokens"] == 0
+            assert engine.status().kv_used_tokens == 0
             assert not engine.sessions.holds(sid)
         with pytest.raises(SessionError) as twice:
             asyncio.run(source.export_session(sid))

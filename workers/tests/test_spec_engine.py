@@ -8,13 +8,7 @@ import torch
 from scipy.stats import chi2_contingency
 from tokenizers import Tokenizer
 
-from specd.workers.config import ConfigError
-from specd.workers.debug_toggles import reverted_behaviours
-from specd.workers.engine.engine import check_backend_supports_layout
-from specd.workers.engine.types import FinishReason
-from specd.workers.mem_cache.sizing import SpecShape
-from specd.workers.speculative.seq_lens import SeqLens
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_MODELS,
     DEMO_TARGET,
@@ -29,7 +23,13 @@ from specd.workers.testing import (
     start_spec_engine,
     wait_idle,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle
+from specd.devtools.tiny_draft import make_tiny_eagle
+from specd.workers.config import ConfigError
+from specd.workers.debug_toggles import reverted_behaviours
+from specd.workers.engine.factory import check_backend_supports_layout
+from specd.workers.mem_cache.sizing import SpecShape
+from specd.workers.speculative.seq_lens import SeqLens
+from specd.workers.types import FinishReason
 
 MAX_NEW = 20
 
@@ -111,12 +111,12 @@ def test_metrics_and_usage_count_verifies(pair, reference):
         assert metric_value(engine, "specd_spec_accept_length_sum") == accepted
         assert wait_idle(engine)
         status = engine.status()
-        assert status["speculation"] == {
+        assert status.speculation.model_dump() == {
             "verify_steps": steps,
             "draft_tokens": 7 * steps,
             "accepted_tokens": accepted,
         }
-        assert status["kv_reserved_tokens"] == 0 and status["leak_check_failures"] == 0
+        assert status.kv_reserved_tokens == 0 and status.leak_check_failures == 0
         assert metric_value(engine, "specd_kv_tokens_reserved") == 0
     finally:
         engine.shutdown()
@@ -187,7 +187,7 @@ def test_row_headroom_toggle_trips_the_row_width_check(pair, monkeypatch):
     assert last.finish_reason is FinishReason.ERROR
     assert "positions but req_to_token rows are 76 wide" in last.error
     assert "row-headroom" in last.error
-    assert status["healthy"]
+    assert status.healthy
 
 
 def test_bonus_preclaim_toggle_trips_the_committed_length_check(pair, reference, monkeypatch):

@@ -18,12 +18,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.workers.engine.structured_output import Grammars, check_grammar_params
-from specd.workers.engine.types import FinishReason, Grammar, InvalidRequest, SamplingParams
-from specd.workers.openai_protocol import ChatCompletionRequest, CompletionRequest
-from specd.workers.speculative.guided_draft import DraftGuide, mask_logprobs
-from specd.workers.speculative.tree import StepOut
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     collect,
@@ -34,7 +29,12 @@ from specd.workers.testing import (
     start_engine,
     start_spec_engine,
 )
-from specd.workers.tools.tiny_draft import make_tiny_eagle3
+from specd.devtools.tiny_draft import make_tiny_eagle3
+from specd.workers.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from specd.workers.runner.structured_output import Grammars, check_grammar_params
+from specd.workers.speculative.guided_draft import DraftGuide, mask_logprobs
+from specd.workers.speculative.tree import StepOut
+from specd.workers.types import FinishReason, Grammar, InvalidRequest, SamplingParams
 
 EOS = 1  # the demo target's
 VOCAB = 8192
@@ -164,7 +164,7 @@ def test_guided_draft_rows_allow_what_the_grammar_allows_after_each_path(grammar
 
 
 def _req_with(grammars, params: SamplingParams):
-    from specd.workers.scheduler.request import Req
+    from specd.workers.requests.request import Req
 
     return Req("r", [5], params, grammar=grammars.state_for(params) if params.grammar else None)
 
@@ -343,7 +343,7 @@ def test_greedy_structured_output_equals_transformers(kind, expected):
     try:
         got = run_constrained(engine, prompts, asked)
         free = run_all(engine, prompts[-1:], max_tokens=MAX_TOKENS)[0]
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
         if kind != "plain overlap":
             assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
     finally:
@@ -369,7 +369,7 @@ def test_a_retracted_constrained_request_resumes_exactly(expected):
     try:
         got = run_constrained(engine, prompts, asked)
         assert metric_value(engine, "specd_retractions_total") > 0
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
     finally:
         engine.shutdown()
     assert [g[0] for g in got[:3]] == outputs[:3]
@@ -511,7 +511,7 @@ def test_cuda_backends_run_structured_output_with_graphs(backend, expected):
     prompts, asked, outputs = expected
     try:
         got = run_constrained(engine, prompts, asked, max_tokens=2 * MAX_TOKENS)
-        assert engine.status()["healthy"], engine.status()["last_error"]
+        assert engine.status().healthy, engine.status().last_error
         assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
     finally:
         engine.shutdown()

@@ -12,10 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from specd.workers.engine.structured_output import Grammars
-from specd.workers.engine.thinking_gate import thinking_tag_ids
-from specd.workers.engine.types import Grammar, InvalidRequest, SamplingParams
-from specd.workers.testing import (
+from specd.devtools.testing import (
     DEMO_EAGLE,
     DEMO_TARGET,
     check_leak_free,
@@ -23,6 +20,9 @@ from specd.workers.testing import (
     start_engine,
     with_thinking_tags,
 )
+from specd.workers.runner.structured_output import Grammars
+from specd.workers.runner.thinking_gate import thinking_tag_ids
+from specd.workers.types import Grammar, InvalidRequest, SamplingParams
 
 SCHEMA = {  # no free text: the answer ends within max_tokens, and holds no </think>
     "type": "object",

@@ -14,16 +14,16 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from specd.workers.engine.types import SamplingParams
-from specd.workers.model.tokenizer import apply_chat_template
-from specd.workers.openai_protocol import (
+from specd.devtools.testing import DEMO_TARGET, collect, demo_prompts, start_engine
+from specd.workers.gateway.protocol import (
     ChatCompletionRequest,
     ChatFormat,
     ChatMessage,
     ChoiceResult,
 )
-from specd.workers.testing import DEMO_TARGET, collect, demo_prompts, start_engine
-from specd.workers.tool_calls import CALL_FORMATS, ToolCallReader
+from specd.workers.gateway.tool_calls import CALL_FORMATS, ToolCallReader
+from specd.workers.model.tokenizer import apply_chat_template
+from specd.workers.types import SamplingParams
 
 WEATHER = {
     "type": "object",

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specd.workers.tools.train_demo import TrainArgs, main, reproduce_command, train
+from specd.devtools.train_demo import TrainArgs, main, reproduce_command, train
 
 TINY = TrainArgs(
     out="",
@@ -98,7 +98,7 @@ def test_checkpoints_on_schedule_and_replay_command(tmp_path):
 def test_cli_parses_every_field(monkeypatch):
     seen = {}
     monkeypatch.setattr(
-        "specd.workers.tools.train_demo.train", lambda args: seen.setdefault("args", args)
+        "specd.devtools.train_demo.train", lambda args: seen.setdefault("args", args)
     )
     main(["--out", "x", "--num-layers", "2", "--lr", "0.002", "--stop-after", "7"])
     assert seen["args"] == TrainArgs(out="x", num_layers=2, lr=0.002, stop_after=7)

@@ -13,14 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specd.kernels import build_attention_metadata, get_backend
-from specd.workers.mem_cache.kv_pool import KVPool
-from specd.workers.model.draft_loader import load_draft
-from specd.workers.model.forward_context import ForwardContext
-from specd.workers.model.loader import load_model
-from specd.workers.tools import train_draft
-from specd.workers.tools.train_demo import _sha256_text, corpus_files, read_texts, split_files
-from specd.workers.tools.train_draft import (
+from specd.devtools import train_draft
+from specd.devtools.train_demo import _sha256_text, corpus_files, read_texts, split_files
+from specd.devtools.train_draft import (
     DenseKV,
     DraftArgs,
     acceptance_summary,
@@ -30,6 +25,11 @@ from specd.workers.tools.train_draft import (
     draft_hidden,
     target_hidden,
 )
+from specd.kernels import build_attention_metadata, get_backend
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.model.draft_loader import load_draft
+from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.loader import load_model
 
 MAX_FILES = 6
 PUBLISHED = {  # the EAGLE head's own tensors (the embedding is the target's)
@@ -98,9 +98,9 @@ def test_manifest_describes_the_run_and_hashes_every_file(tiny_run, target_dir):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest == result
     assert manifest["final"] and manifest["steps_done"] == 30 and manifest["seed"] == 0
-    assert manifest["script"] == "python -m specd.workers.tools.train_draft"
+    assert manifest["script"] == "python -m specd.devtools.train_draft"
     assert manifest["reproduce"].startswith(
-        f"python -m specd.workers.tools.train_draft --out {out} --target {target_dir} "
+        f"python -m specd.devtools.train_draft --out {out} --target {target_dir} "
     )
     assert manifest["stopped_by"] == "steps" and manifest["args"]["labels"] == "soft"
     target_manifest = hashlib.sha256((target_dir / "manifest.json").read_bytes()).hexdigest()

@@ -1,6 +1,6 @@
 """Attention over paged KV, tree build/verify helpers and KV moves.
 
-Modules (one line each in docs/structure.md):
+Modules (one line each in docs/architecture.md):
 - ``metadata``   AttentionMetadata: the ragged (qo_indptr, kv_indptr, kv_indices,
                  custom_mask) description every backend takes; graph shapes and buffers.
 - ``registry``   backend registry, capabilities and ``auto`` resolution.

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import flashinfer
 import torch
 
+from specd.kernels.backend import BackendCapabilities, register_backend
 from specd.kernels.metadata import AttentionMetadata, GraphBuffers, GraphShape
-from specd.kernels.registry import BackendCapabilities, register_backend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended split-k scratch
 PREFILL_KERNELS = "fa2"  # one family for causal and masked batches (see above)

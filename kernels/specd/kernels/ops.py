@@ -2,7 +2,7 @@
 
 Draft-tree structure, the greedy verify walk, the verify mask, KV index gathers and
 writes, and KV moves.  ``TorchOps`` (here) and ``TritonOps`` (``triton_ops.py``) give
-identical results; ``get_ops(name)`` picks one.  All tensors of a call live on one device
+identical results; ``ops_choice.get_ops(name)`` picks one.  All tensors of a call live on one device
 and are int64 unless noted; arguments typed ``Sequence[int]`` are host values that size
 the output, so no implementation needs a device -> host sync.
 
@@ -12,7 +12,6 @@ and every parent precedes its child (``0 <= parents[:, i] < i``).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -260,33 +259,6 @@ def _lowest_child(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     low = torch.full((bs, t + 1), t, dtype=torch.long, device=parents.device)
     low = low.scatter_reduce(1, to, node, "amin")[:, :t]
     return torch.where(low == t, -1, low)
-
-
-_OPS = ("torch", "triton")
-
-
-def get_ops(name: str) -> KernelOps:
-    """The ``torch`` or ``triton`` implementation (Triton is imported only when asked for)."""
-    if name == "torch":
-        return TORCH_OPS
-    if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise RuntimeError(
-                "kernel ops 'triton' need the triton package, which is not installed "
-                "(pip install 'specd[gpu]'); use 'torch' instead"
-            )
-        from specd.kernels.triton_ops import TritonOps
-
-        return TritonOps()
-    raise ValueError(f"unknown kernel ops {name!r}; choose one of {list(_OPS)}")
-
-
-def ops_for_backend(backend: str) -> KernelOps:
-    """The ops an engine on attention ``backend`` runs: Triton beside a CUDA backend
-    (``triton``, ``flashinfer``) when it is installed, torch otherwise."""
-    if backend != "torch" and importlib.util.find_spec("triton") is not None:
-        return get_ops("triton")
-    return TORCH_OPS
 
 
 TORCH_OPS: KernelOps = TorchOps()

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specd.kernels.backend import BackendCapabilities, register_backend
 from specd.kernels.metadata import AttentionMetadata
 from specd.kernels.ops import exclusive_cumsum
-from specd.kernels.registry import BackendCapabilities, register_backend
 
 
 def _request_mask(meta: AttentionMetadata, i: int, device: torch.device) -> torch.Tensor:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from specd.kernels.backend import BackendCapabilities, register_backend
 from specd.kernels.metadata import AttentionMetadata, GraphBuffers, GraphShape
 from specd.kernels.ops import exclusive_cumsum, host_tensor
-from specd.kernels.registry import BackendCapabilities, register_backend
 from specd.kernels.triton_attention import decode_attention, extend_attention
 
 MAX_SPLITS = 16

@@ -1,6 +1,6 @@
 """specd operator: SpecDecodeDeployment CRs reconciled into a Ray actor pool (kopf).
 
-Modules (see also docs/structure.md):
+Modules (see also docs/architecture.md):
   crd        the CRD, generated from the pydantic config models, with its CEL rules
   naming     child names, labels and selectors
   children   pure builders of the child objects (ConfigMap, RayCluster, Deployment, ...)

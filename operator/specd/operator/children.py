@@ -27,10 +27,10 @@ from typing import Any
 import yaml
 
 from specd.operator import naming
-from specd.workers.api_keys import API_KEY_FILE_ENV
 from specd.workers.config import (
     ADMIN_TOKEN_FILE_ENV,
     API_GROUP,
+    API_KEY_FILE_ENV,
     API_VERSION,
     KIND,
     SpecDecodeDeployment,

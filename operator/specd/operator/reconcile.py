@@ -5,7 +5,8 @@
       -> ensure ConfigMap -> ensure admin token Secret (created once, never patched)
       -> [managed Ray: KubeRay served? -> ensure RayCluster]
       -> ensure gateway Deployment -> ensure Service -> [ensure ServiceMonitor]
-      -> GET <gateway>/admin/status
+      -> GET <gateway>/admin/status, parsed as `AdminStatus` (a document that breaks
+         the contract is a failed poll naming the field, never zeros)
       => `Observation` (status.compute_status turns it into the CR status)
 
 Every ensure reads the live object first and writes only what differs from the
@@ -40,6 +41,7 @@ from specd.operator.status import (
     status_document,
 )
 from specd.workers.config import SpecDecodeDeployment, format_validation_error
+from specd.workers.contracts import AdminStatus, field_errors
 
 log = logging.getLogger(__name__)
 
@@ -192,21 +194,38 @@ async def ensure_children(
     return Observation(generation, sdd, endpoint=endpoint, selector=selector), writes
 
 
-async def poll_gateway(ctx: OperatorContext, namespace: str, name: str) -> tuple[Any, str | None]:
-    """(``/admin/status`` document, None) or (None, why it could not be read)."""
+@dataclass(frozen=True, slots=True)
+class GatewayPoll:
+    """One ``GET /admin/status``: the document, or why there is none."""
+
+    doc: AdminStatus | None = None
+    error: str | None = None  # unreachable, an HTTP error, or the fields that are wrong
+    invalid: bool = False  # it answered a document that breaks the contract
+
+
+async def poll_gateway(ctx: OperatorContext, namespace: str, name: str) -> GatewayPoll:
+    """The gateway's ``/admin/status`` parsed as `AdminStatus`.  A document that fails
+    validation (a missing, renamed or mistyped field) is a failed poll whose error
+    names the fields (``specd_operator_gateway_polls_total{result="invalid"}``)."""
     url = ctx.gateway_url(namespace, name) + "/admin/status"
     try:
         session = await ctx.http()
         async with session.get(url) as resp:
             if resp.status != 200:
                 ctx.metrics.gateway_polls.labels("error").inc()
-                return None, f"HTTP {resp.status} from {url}"
-            doc = await resp.json()
+                return GatewayPoll(error=f"HTTP {resp.status} from {url}")
+            raw = await resp.json()
     except (TimeoutError, aiohttp.ClientError, ValueError) as err:
         ctx.metrics.gateway_polls.labels("unreachable").inc()
-        return None, f"{type(err).__name__} on {url}"
+        return GatewayPoll(error=f"{type(err).__name__} on {url}")
+    try:
+        doc = AdminStatus.model_validate(raw)
+    except ValidationError as err:
+        ctx.metrics.gateway_polls.labels("invalid").inc()
+        log.warning("invalid /admin/status from %s: %s", url, field_errors(err))
+        return GatewayPoll(error=f"{field_errors(err)} (from {url})", invalid=True)
     ctx.metrics.gateway_polls.labels("ok").inc()
-    return doc, None
+    return GatewayPoll(doc)
 
 
 async def release_gateway(
@@ -236,12 +255,13 @@ async def observe(ctx: OperatorContext, body: dict[str, Any]) -> Pass:
     observation, writes = await ensure_children(ctx, body)
     if observation.sdd is not None and not observation.kuberay_missing:
         meta = body["metadata"]
-        doc, error = await poll_gateway(ctx, meta["namespace"], meta["name"])
+        poll = await poll_gateway(ctx, meta["namespace"], meta["name"])
         observation = Observation(
             observation.generation,
             observation.sdd,
-            gateway=doc,
-            gateway_error=error,
+            gateway=poll.doc,
+            gateway_error=poll.error,
+            gateway_invalid=poll.invalid,
             endpoint=observation.endpoint,
             selector=observation.selector,
         )

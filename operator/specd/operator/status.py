@@ -22,12 +22,14 @@ autoscaler's (``desired_replicas`` of its document), or ``spec.replicas`` within
 bounds while the gateway cannot be read.
     Degraded             True  with a reason: InvalidSpec, KubeRayMissing, ReplicaFailed
                                (the gateway gave up loading the current config: the
-                               same load error twice), ReplicaFailing, LeakCheckFailed
+                               same load error twice), ReplicaFailing, LeakCheckFailed,
+                               GatewayStatusInvalid (its document breaks the contract)
     SpeculationEffective True  <=> mean accept length over the window >= minAcceptLength
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from specd.workers.config import SpecDecodeDeployment
+from specd.workers.contracts import AdminStatus, PoolEvent, ReplicaSummary
 
 KUBERAY_INSTALL_HINT = (
     "install the KubeRay operator (helm install kuberay-operator "
@@ -118,8 +121,9 @@ class Observation:
     sdd: SpecDecodeDeployment | None
     invalid: str | None = None
     kuberay_missing: bool = False
-    gateway: dict[str, Any] | None = None  # /admin/status, None when unreachable
-    gateway_error: str | None = None
+    gateway: AdminStatus | None = None  # /admin/status, None when it could not be read
+    gateway_error: str | None = None  # why not: unreachable, an HTTP error, invalid
+    gateway_invalid: bool = False  # it answered a document that breaks the contract
     endpoint: str | None = None
     selector: str = ""
 
@@ -129,19 +133,15 @@ def _condition(type_: str, status: bool | None, reason: str, message: str = "") 
     return Condition(type=type_, status=text, reason=reason, message=message)
 
 
-def _counters(actor: dict[str, Any]) -> list[int] | None:
-    spec = (actor.get("load") or {}).get("speculation")
-    if not spec:
+def _counters(actor: ReplicaSummary) -> list[int] | None:
+    spec = actor.load.speculation if actor.load is not None else None
+    if spec is None:
         return None
-    return [
-        int(spec.get("verify_steps", 0)),
-        int(spec.get("draft_tokens", 0)),
-        int(spec.get("accepted_tokens", 0)),
-    ]
+    return [spec.verify_steps, spec.draft_tokens, spec.accepted_tokens]
 
 
 def speculation_window(
-    actors: list[dict[str, Any]], previous: SpeculationStatus | None
+    actors: Sequence[ReplicaSummary], previous: SpeculationStatus | None
 ) -> SpeculationStatus:
     """Accept length/rate over the counters gained since ``previous`` (per actor).
 
@@ -155,8 +155,8 @@ def speculation_window(
         c = _counters(actor)
         if c is None:
             continue
-        now[actor["name"]] = c
-        base = before.get(actor["name"], [0, 0, 0])
+        now[actor.name] = c
+        base = before.get(actor.name, [0, 0, 0])
         delta = [x - y for x, y in zip(c, base, strict=True)]
         if min(delta) < 0:
             delta = c
@@ -174,51 +174,51 @@ def speculation_window(
     )
 
 
-def failing_replicas(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def failing_replicas(events: Sequence[PoolEvent]) -> list[PoolEvent]:
     """'dead' events after the last 'ready' one: failures nothing has recovered from."""
-    failing: list[dict[str, Any]] = []
+    failing: list[PoolEvent] = []
     for event in events:
-        if event.get("event") == "ready":
+        if event.event == "ready":
             failing = []
-        elif event.get("event") == "dead":
+        elif event.event == "dead":
             failing.append(event)
     return failing
 
 
-def _kv(actors: list[dict[str, Any]]) -> KVStatus:
+def _kv(actors: Sequence[ReplicaSummary]) -> KVStatus:
     usage = reserve = 0.0
     for actor in actors:
-        if actor.get("state") != "ready":
+        load = actor.load
+        if actor.state != "ready" or load is None:
             continue
-        load = actor.get("load") or {}
-        total = float(load.get("kv_total_tokens") or 0)
-        usage = max(usage, float(load.get("kv_usage", 0.0)))
-        if total:
-            reserve = max(reserve, float(load.get("kv_reserved_tokens", 0)) / total)
+        usage = max(usage, load.kv_usage)
+        if load.kv_total_tokens:
+            reserve = max(reserve, load.kv_reserved_tokens / load.kv_total_tokens)
     return KVStatus(usage=round(usage, 4), reserve_usage=round(reserve, 4))
+
+
+def _leak_check_failures(actors: Sequence[ReplicaSummary]) -> int:
+    return sum(a.load.leak_check_failures for a in actors if a.load is not None)
 
 
 def _rollout(obs: Observation, desired_hash: str, desired: int) -> tuple[Condition, Condition]:
     """(Ready, Progressing) from the gateway's view of the actors."""
     doc = obs.gateway
     if doc is None:
-        why = f"gateway /admin/status unreachable: {obs.gateway_error or 'no answer'}"
+        reason, why = _unread_gateway(obs)
         return (
-            _condition("Ready", False, "GatewayUnavailable", why),
+            _condition("Ready", False, reason, why),
             _condition("Progressing", True, "WaitingForGateway", why),
         )
-    if doc.get("config_hash") != desired_hash:
-        why = f"gateway runs config {doc.get('config_hash')}, waiting for {desired_hash}"
+    if doc.config_hash != desired_hash:
+        why = f"gateway runs config {doc.config_hash}, waiting for {desired_hash}"
         return (
             _condition("Ready", False, "ConfigPending", why),
             _condition("Progressing", True, "ConfigPending", why),
         )
-    actors = doc.get("actors", [])
-    live = [a for a in actors if a.get("state") in ("starting", "ready")]
-    current_ready = [
-        a for a in live if a.get("state") == "ready" and a.get("config_hash") == desired_hash
-    ]
-    outdated = [a for a in live if a.get("config_hash") != desired_hash]
+    live = [a for a in doc.actors if a.state in ("starting", "ready")]
+    current_ready = [a for a in live if a.state == "ready" and a.config_hash == desired_hash]
+    outdated = [a for a in live if a.config_hash != desired_hash]
     if len(current_ready) == desired and len(live) == desired:
         msg = f"{desired}/{desired} actors ready on config {desired_hash}"
         reason = "AllReplicasReady"
@@ -237,6 +237,16 @@ def _rollout(obs: Observation, desired_hash: str, desired: int) -> tuple[Conditi
     return _condition("Ready", False, reason, msg), _condition("Progressing", True, reason, msg)
 
 
+def _unread_gateway(obs: Observation) -> tuple[str, str]:
+    """(reason, message) when the poll got no valid document."""
+    if obs.gateway_invalid:
+        return "GatewayStatusInvalid", f"gateway /admin/status invalid: {obs.gateway_error}"
+    return (
+        "GatewayUnavailable",
+        f"gateway /admin/status unreachable: {obs.gateway_error or 'no answer'}",
+    )
+
+
 def _degraded(obs: Observation) -> Condition:
     if obs.invalid is not None:
         return _condition("Degraded", True, "InvalidSpec", obs.invalid)
@@ -247,33 +257,35 @@ def _degraded(obs: Observation) -> Condition:
             "KubeRayMissing",
             f"spec.ray: no RayCluster API (ray.io/v1) is served; {KUBERAY_INSTALL_HINT}",
         )
-    doc = obs.gateway or {}
-    failure = doc.get("failure")
-    if failure and obs.sdd is not None and failure.get("config_hash") == obs.sdd.spec.config_hash():
+    if obs.gateway_invalid:  # a version skew or a bug: loud, never read as zeros
+        return _condition("Degraded", True, *_unread_gateway(obs))
+    doc = obs.gateway
+    if doc is None:
+        return _condition("Degraded", False, "AsExpected")
+    failure = doc.failure
+    if failure and obs.sdd is not None and failure.config_hash == obs.sdd.spec.config_hash():
         return _condition(
             "Degraded",
             True,
             "ReplicaFailed",
-            f"replica {failure.get('replica')} failed to load twice alike, so none is started "
-            f"until the spec changes: {failure.get('message')}",
+            f"replica {failure.replica} failed to load twice alike, so none is started "
+            f"until the spec changes: {failure.message}",
         )
-    failing = failing_replicas(doc.get("events", []))
+    failing = failing_replicas(doc.events)
     if failing:
         last = failing[-1]
         return _condition(
             "Degraded",
             True,
             "ReplicaFailing",
-            f"replica {last.get('replica')}: {last.get('detail')}"
+            f"replica {last.replica}: {last.detail}"
             + (
                 f" ({len(failing)} failures since the last ready replica)"
                 if len(failing) > 1
                 else ""
             ),
         )
-    leaks = sum(
-        int((a.get("load") or {}).get("leak_check_failures", 0)) for a in doc.get("actors", [])
-    )
+    leaks = _leak_check_failures(doc.actors)
     if leaks:
         return _condition(
             "Degraded",
@@ -322,8 +334,8 @@ def desired_replicas(obs: Observation) -> int:
     spec = obs.sdd.spec
     if spec.autoscaling is None:
         return spec.replicas
-    if obs.gateway is not None and "desired_replicas" in obs.gateway:
-        return int(obs.gateway["desired_replicas"])
+    if obs.gateway is not None:
+        return obs.gateway.desired_replicas
     return spec.autoscaling.clamp(spec.replicas)
 
 
@@ -332,8 +344,8 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
     sdd = obs.sdd
     desired = desired_replicas(obs)
     desired_hash = sdd.spec.config_hash() if sdd is not None else None
-    doc = obs.gateway or {}
-    actors = doc.get("actors", []) if obs.gateway is not None else []
+    doc = obs.gateway
+    actors = doc.actors if doc is not None else ()
     if sdd is None or obs.kuberay_missing:
         ready_c = _condition("Ready", False, _degraded(obs).reason, _degraded(obs).message)
         progressing = _condition("Progressing", False, ready_c.reason, ready_c.message)
@@ -344,16 +356,16 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
         spec_status = speculation_window(actors, previous.speculation)
     conditions = [ready_c, progressing, _degraded(obs), _speculation_effective(sdd, spec_status)]
     _stamp(conditions, previous.conditions, now, obs.generation)
-    live = [a for a in actors if a.get("state") in ("starting", "ready")]
-    ready = [a for a in live if a.get("state") == "ready"]
+    live = [a for a in actors if a.state in ("starting", "ready")]
+    ready = [a for a in live if a.state == "ready"]
     seen_until = previous.last_event_time or 0.0
-    events = doc.get("events", [])
-    new_deaths = [e for e in events if e.get("event") == "dead" and e.get("time", 0) > seen_until]
+    events = doc.events if doc is not None else ()
+    new_deaths = [e for e in events if e.event == "dead" and e.time > seen_until]
     return SddStatus(
         replicas=len(live),
         ready_replicas=len(ready),
         desired_replicas=desired,
-        updated_replicas=len([a for a in ready if a.get("config_hash") == desired_hash]),
+        updated_replicas=len([a for a in ready if a.config_hash == desired_hash]),
         ready=f"{len(ready)}/{desired}",
         observed_generation=obs.generation,
         selector=obs.selector,
@@ -362,22 +374,28 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
         conditions=conditions,
         speculation=spec_status,
         kv=_kv(actors),
-        leak_check_failures=int(doc.get("retired_leak_check_failures", 0))  # replicas gone
-        + sum(int((a.get("load") or {}).get("leak_check_failures", 0)) for a in actors),
+        leak_check_failures=(doc.retired_leak_check_failures if doc is not None else 0)
+        + _leak_check_failures(actors),  # replicas gone, and those here
         replacements=previous.replacements + len(new_deaths),
-        last_event_time=max([seen_until, *(e.get("time", 0.0) for e in events)]) or None,
+        last_event_time=max([seen_until, *(e.time for e in events)]) or None,
         actors=[
             ActorStatus(
-                name=a["name"],
-                state=a.get("state", "unknown"),
-                config_hash=a.get("config_hash", ""),
-                restarts=int(a.get("restarts", 0)),
-                spec_steps=((a.get("load") or {}).get("adaptive") or {}).get("steps"),
-                error=a.get("error"),
+                name=a.name,
+                state=a.state,
+                config_hash=a.config_hash,
+                restarts=a.restarts,
+                spec_steps=_spec_steps(a),
+                error=a.error,
             )
             for a in actors
         ],
     )
+
+
+def _spec_steps(actor: ReplicaSummary) -> int | None:
+    """The steps of the adaptive rung active on ``actor`` (None: not adaptive, no load)."""
+    adaptive = actor.load.adaptive if actor.load is not None else None
+    return adaptive.steps if adaptive is not None else None
 
 
 def status_document(status: SddStatus) -> dict[str, Any]:

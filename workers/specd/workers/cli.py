@@ -25,9 +25,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from specd.workers.admin_auth import AdminToken, load_admin_token
-from specd.workers.api_keys import API_KEY_ENV, API_KEY_FILE_ENV, ApiKeys
-from specd.workers.config import ConfigError, load_deployment, spec_for_model
+from specd.workers.config import (
+    API_KEY_ENV,
+    API_KEY_FILE_ENV,
+    ConfigError,
+    load_deployment,
+    spec_for_model,
+)
+from specd.workers.gateway.admin_auth import AdminToken, load_admin_token
+from specd.workers.gateway.api_keys import ApiKeys
 from specd.workers.model.config import ModelLoadError
 
 EXIT_FAILED = 1
@@ -45,7 +51,7 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
         from specd.workers.model.preflight import check_model_folders
 
         check_model_folders(spec)
-    from specd.workers.gateway import Gateway  # imports Ray: only for `serve` and `gateway`
+    from specd.workers.gateway.app import Gateway  # imports Ray: only for `serve` and `gateway`
 
     gateway = Gateway(
         spec,
@@ -180,8 +186,8 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from specd.workers.engine.engine import Engine
-    from specd.workers.engine.types import FinishReason, GenerateRequest, SamplingParams
     from specd.workers.model.tokenizer import apply_chat_template
+    from specd.workers.types import FinishReason, GenerateRequest, SamplingParams
 
     kv = {"kvCache": {"maxTokens": args.kv_tokens}} if args.kv_tokens else {}
     spec = spec_for_model(str(Path(args.model).resolve()), **kv)
@@ -217,7 +223,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _cli_grammar(args: argparse.Namespace):
     """``--regex`` / ``--json-schema`` as the engine's structured-output grammar."""
-    from specd.workers.engine.types import Grammar
+    from specd.workers.types import Grammar
 
     if args.regex is not None:
         return Grammar("regex", args.regex, "--regex")

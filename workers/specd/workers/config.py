@@ -12,32 +12,37 @@ import hashlib
 import json
 from collections.abc import Callable
 from enum import Enum
-from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    WithJsonSchema,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 
-from specd.workers.speculative.rung import Rung
+from specd.workers.spec_model import ConfigError, SpecModel, SubfieldError  # noqa: F401
+from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
+    AdaptiveSpec,
+    CandidateRung,
+    SpeculationPolicySpec,
+    SpeculativeSpec,
+    default_num_draft_tokens,
+    speculative_rules,
+)
 
 API_GROUP = "specd.dev"
 API_VERSION = "v1alpha1"
 KIND = "SpecDecodeDeployment"
-# the admin token `POST /admin/*` needs (`specd.workers.admin_auth`): the token itself,
+# the admin token `POST /admin/*` needs (`specd.workers.gateway.admin_auth`): the token itself,
 # or the file holding it (the operator mounts its per-SDD Secret there; `specd serve`
 # writes a new one there when it is missing)
 ADMIN_TOKEN_ENV = "SPECD_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "SPECD_ADMIN_TOKEN_FILE"
+API_KEY_ENV = "SPECD_API_KEY"  # the gateway's API keys, comma-separated
+API_KEY_FILE_ENV = "SPECD_API_KEY_FILE"  # or a file of them, one per line
 
 
 def ray_namespace(kube_namespace: str | None) -> str:
@@ -47,25 +52,6 @@ def ray_namespace(kube_namespace: str | None) -> str:
     return f"specd-{kube_namespace}" if kube_namespace else "specd"
 
 
-class ConfigError(ValueError):
-    """A spec that cannot be served; the message names the field and the fix."""
-
-
-class SubfieldError(ValueError):
-    """Raised by a model validator to name a field below the model it validates
-    (``adaptive.candidateSteps[2]``); ``format_validation_error`` joins the paths."""
-
-    def __init__(self, subpath: str, message: str):
-        super().__init__(message)
-        self.subpath = subpath
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
-    )
-
-
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -73,7 +59,7 @@ class DType(str, Enum):
     float16 = "float16"
 
 
-class ModelSpec(_Spec):
+class ModelSpec(SpecModel):
     path: str = Field(min_length=1, description="Local Hugging Face folder of the target model")
     tokenizer: str | None = Field(None, description="Tokenizer folder (default: model path)")
     dtype: DType = DType.auto
@@ -86,176 +72,12 @@ class DraftAlgorithm(str, Enum):
     EAGLE3 = "EAGLE3"
 
 
-class DraftSpec(_Spec):
+class DraftSpec(SpecModel):
     path: str = Field(min_length=1)
     algorithm: DraftAlgorithm = DraftAlgorithm.EAGLE
 
 
-class CandidateRung(_Spec):
-    """One adaptive rung written out; topk / numDraftTokens left out come from the spec."""
-
-    steps: int = Field(ge=0, le=16, description="Draft steps (0 = plain decode)")
-    topk: int | None = Field(None, ge=1, le=16)
-    num_draft_tokens: int | None = Field(None, ge=2, le=256)
-
-
-def _steps_as_rung(value: Any) -> Any:
-    return {"steps": value} if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-# An entry is either an int (steps) or {steps, topk, numDraftTokens}.  Kubernetes
-# schemas have no int-or-object type, so the CRD keeps the item free-form and the
-# operator (pydantic) validates it.
-CandidateStep = Annotated[
-    CandidateRung,
-    BeforeValidator(_steps_as_rung),
-    WithJsonSchema(
-        {
-            "description": "steps (an integer), or {steps, topk, numDraftTokens}",
-            "x-kubernetes-preserve-unknown-fields": True,
-        }
-    ),
-]
-
-
-class AdaptiveSpec(_Spec):
-    """Adaptive speculation: the draft steps follow the acceptance rate along candidateSteps."""
-
-    enabled: bool = False
-    candidate_steps: list[CandidateStep] = Field(
-        default_factory=list, description="The ladder, narrowest first (steps ascending)"
-    )
-    ema_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest verify batch")
-    warmup_batches: int = Field(8, ge=0, description="Verify batches before any decision")
-    update_interval: int = Field(4, ge=1, description="Verify batches between decisions")
-    up_threshold: float = Field(
-        0.8, gt=0, le=1, description="Vote up at an acceptance rate (accepted/steps) >= this"
-    )
-    down_threshold: float = Field(
-        0.3, ge=0, le=1, description="Vote down at an acceptance rate below this"
-    )
-    up_hysteresis: int = Field(2, ge=1, description="Consecutive up votes to move up")
-    down_hysteresis: int = Field(1, ge=1, description="Consecutive down votes to move down")
-
-    @model_validator(mode="after")
-    def _thresholds_ordered(self) -> AdaptiveSpec:
-        if self.down_threshold > self.up_threshold:
-            raise ValueError(
-                f"downThreshold ({self.down_threshold}) must not exceed upThreshold "
-                f"({self.up_threshold})"
-            )
-        return self
-
-
-class SpeculationPolicySpec(_Spec):
-    """Load-aware speculation: large batches gain little from drafting."""
-
-    max_batch_for_spec: int | None = Field(
-        None, ge=1, description="A verify batch with more requests runs plain decode (steps 0)"
-    )
-
-
-class SpeculativeSpec(_Spec):
-    num_steps: int = Field(3, ge=1, le=16, description="Draft steps per verify (S)")
-    topk: int = Field(1, ge=1, le=16, description="Branching per draft step (k); 1 = chain")
-    num_draft_tokens: int = Field(
-        4, ge=2, le=256, description="Tokens per verify incl. the root (T)"
-    )
-    adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
-    policy: SpeculationPolicySpec = Field(default_factory=SpeculationPolicySpec)
-    # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
-    # it neither reaches the engine config nor changes the config hash (no needless roll).
-    min_accept_length: float = Field(
-        1.5,
-        ge=1,
-        exclude=True,
-        description="SpeculationEffective is False while the mean accept length is below this",
-    )
-
-    @model_validator(mode="after")
-    def _consistent_tree(self) -> SpeculativeSpec:
-        for rule in speculative_rules(self.num_steps, self.topk, self.num_draft_tokens):
-            raise ValueError(rule)
-        _ = self.max_draft_tokens  # resolves and checks the ladder, caches T (once)
-        return self
-
-    # The cached values below are computed once per validated spec (seed 003).  The spec
-    # is frozen; a ``model_copy(update=...)`` of it would keep them stale, so rebuild a
-    # changed spec with ``model_validate`` instead.
-    @cached_property
-    def ladder(self) -> tuple[Rung, ...]:
-        """The rungs a verify may run, narrowest first: the adaptive candidates when
-        enabled, else the one configured (numSteps, topk, numDraftTokens)."""
-        candidates = self._candidate_rungs()
-        if self.adaptive.enabled:
-            return candidates
-        return (Rung(self.num_steps, self.topk, self.num_draft_tokens),)
-
-    @cached_property
-    def initial_rung(self) -> Rung:
-        """The rung whose steps equal numSteps, else the widest below it, else the first."""
-        below = [r for r in self.ladder if r.steps <= self.num_steps]
-        return below[-1] if below else self.ladder[0]
-
-    @cached_property
-    def max_draft_tokens(self) -> int:
-        """T that KV is sized for: the widest rung's, whichever rung is active."""
-        return max(r.draft_tokens for r in self.ladder)
-
-    def _candidate_rungs(self) -> tuple[Rung, ...]:
-        """``adaptive.candidateSteps`` resolved and checked (errors name the entry)."""
-        field = "adaptive.candidateSteps"
-        entries = self.adaptive.candidate_steps
-        if self.adaptive.enabled and not entries:
-            raise SubfieldError(field, "list at least one step count when adaptive is enabled")
-        rungs: list[Rung] = []
-        for i, entry in enumerate(entries):
-            if rungs and entry.steps <= rungs[-1].steps:
-                problem = "a duplicate" if entry.steps == rungs[-1].steps else "out of order"
-                raise SubfieldError(
-                    f"{field}[{i}]",
-                    f"steps {entry.steps} is {problem}: list each step count once, ascending",
-                )
-            rungs.append(self._resolve_rung(entry, f"{field}[{i}]"))
-        return tuple(rungs)
-
-    def _resolve_rung(self, entry: CandidateRung, path: str) -> Rung:
-        """topk defaults to the spec's; T to steps + 1 for a chain, else
-        min(numDraftTokens, topk * steps + 1).  Steps 0 is plain decode (T = 1)."""
-        if entry.steps == 0:
-            if entry.topk is not None or entry.num_draft_tokens is not None:
-                raise SubfieldError(
-                    path, "steps 0 is plain decode: leave out topk and numDraftTokens"
-                )
-            return Rung(0, 1, 1)
-        topk = entry.topk if entry.topk is not None else self.topk
-        tokens = entry.num_draft_tokens
-        if tokens is None and topk == 1:
-            tokens = entry.steps + 1
-        elif tokens is None:
-            tokens = min(self.num_draft_tokens, topk * entry.steps + 1)
-        for rule in speculative_rules(entry.steps, topk, tokens):
-            raise SubfieldError(path, rule)
-        return Rung(entry.steps, topk, tokens)
-
-
-def speculative_rules(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
-    """The cross-field rules on (S, k, T), as messages for the ones broken."""
-    broken = []
-    if topk == 1 and num_draft_tokens != num_steps + 1:
-        broken.append(
-            f"numDraftTokens must be numSteps + 1 = {num_steps + 1} when topk is 1 "
-            f"(a chain verifies the root and one token per step); got {num_draft_tokens}"
-        )
-    if topk > 1 and num_draft_tokens > topk * num_steps + 1:
-        broken.append(
-            f"numDraftTokens must be at most topk * numSteps + 1 = {topk * num_steps + 1} "
-            f"(the tree has no more nodes); got {num_draft_tokens}"
-        )
-    return broken
-
-
-class KVCacheSpec(_Spec):
+class KVCacheSpec(SpecModel):
     page_size: int = Field(1, ge=1, le=256)
     max_tokens: int | None = Field(None, ge=1, description="KV pool size in tokens")
     mem_fraction: float | None = Field(
@@ -274,7 +96,7 @@ class KVCacheSpec(_Spec):
         return self
 
 
-class SchedulerSpec(_Spec):
+class SchedulerSpec(SpecModel):
     chunked_prefill_size: int = Field(
         512, ge=1, description="Max prompt tokens prefetched per step (one chunk)"
     )
@@ -287,7 +109,7 @@ class SchedulerSpec(_Spec):
     )
 
 
-class CudaGraphSpec(_Spec):
+class CudaGraphSpec(SpecModel):
     enabled: bool = Field(
         True, description="Replay decode and speculative steps as CUDA graphs (CUDA backends)"
     )
@@ -296,7 +118,7 @@ class CudaGraphSpec(_Spec):
     )
 
 
-class RoutingSpec(_Spec):
+class RoutingSpec(SpecModel):
     """Gateway-only: which ready replica gets a request (not part of the config hash, so
     a change applies at once and rolls no replica)."""
 
@@ -326,7 +148,7 @@ class RoutingSpec(_Spec):
     )
 
 
-class AutoscalingSpec(_Spec):
+class AutoscalingSpec(SpecModel):
     """Gateway-only (not in the config hash): the replica count follows the load between
     ``minReplicas`` and ``maxReplicas`` (Ray Serve's policy on ongoing requests);
     ``spec.replicas`` is where it starts, and setting it (``kubectl scale``) moves the
@@ -375,7 +197,7 @@ class AutoscalingSpec(_Spec):
         return min(max(replicas, self.min_replicas), self.max_replicas)
 
 
-class ToolCallsSpec(_Spec):
+class ToolCallsSpec(SpecModel):
     """Gateway-only (not in the config hash): how tool_choice auto finds tool calls."""
 
     parser: Literal["hermes", "llama3_json"] | None = Field(
@@ -386,7 +208,7 @@ class ToolCallsSpec(_Spec):
     )
 
 
-class ReasoningSpec(_Spec):
+class ReasoningSpec(SpecModel):
     """Gateway-only (not in the config hash): how a thinking model's reasoning is found."""
 
     parser: Literal["deepseek_r1", "qwen3"] | None = Field(
@@ -397,7 +219,7 @@ class ReasoningSpec(_Spec):
     )
 
 
-class SecretKeyRef(_Spec):
+class SecretKeyRef(SpecModel):
     name: str = Field(
         pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
         description="A Secret in the deployment's namespace",
@@ -407,7 +229,7 @@ class SecretKeyRef(_Spec):
     )
 
 
-class AuthSpec(_Spec):
+class AuthSpec(SpecModel):
     """Gateway-only (not in the config hash): who may call the OpenAI endpoints."""
 
     api_key_secret: SecretKeyRef | None = Field(
@@ -428,7 +250,7 @@ class AuthSpec(_Spec):
 MIB = 1 << 20
 
 
-class GatewaySpec(_Spec):
+class GatewaySpec(SpecModel):
     """Gateway-only (not in the config hash): what one request may cost the gateway."""
 
     max_request_bytes: int = Field(
@@ -441,13 +263,13 @@ class GatewaySpec(_Spec):
     )
 
 
-class ResourcesSpec(_Spec):
+class ResourcesSpec(SpecModel):
     gpus: float = Field(0, ge=0)
     cpu: float = Field(1, ge=0)
     memory: str | None = None
 
 
-class RaySpec(_Spec):
+class RaySpec(SpecModel):
     address: str | None = None
     cluster: dict[str, Any] | None = Field(None, description="RayCluster template overrides")
 
@@ -461,7 +283,7 @@ class RaySpec(_Spec):
         return self
 
 
-class SessionsSpec(_Spec):
+class SessionsSpec(SpecModel):
     enabled: bool = Field(False, description="Serve /v1/sessions (multi-turn KV reuse)")
     timeout_seconds: float = Field(300, gt=0, description="Idle sessions close after this")
     max_sessions: int = Field(
@@ -469,7 +291,7 @@ class SessionsSpec(_Spec):
     )
 
 
-class MetricsSpec(_Spec):
+class MetricsSpec(SpecModel):
     """Operator-only: how Prometheus scrapes the gateway (not part of the engine config)."""
 
     service_monitor: bool = Field(
@@ -489,7 +311,7 @@ _SAMPLING_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
 }
 
 
-class SamplingDefaultsSpec(_Spec):
+class SamplingDefaultsSpec(SpecModel):
     """What a request that leaves a sampling field out gets (its own value always wins):
     this spec's values, then the model's ``generation_config.json`` (``fromModel``, as
     vLLM's ``--generation-config auto``), then the OpenAI API's (temperature 1, top_p 1)."""
@@ -526,11 +348,11 @@ class SamplingDefaultsSpec(_Spec):
         return out
 
 
-class DebugSpec(_Spec):
+class DebugSpec(SpecModel):
     strict_mem_check: Literal[0, 1, 2] = 0
 
 
-class DeploymentSpec(_Spec):
+class DeploymentSpec(SpecModel):
     model: ModelSpec
     draft: DraftSpec | None = None
     speculative: SpeculativeSpec | None = None
@@ -593,13 +415,13 @@ class DeploymentSpec(_Spec):
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 
-class Metadata(_Spec):
+class Metadata(SpecModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str = Field(min_length=1)
     namespace: str | None = None
 
 
-class SpecDecodeDeployment(_Spec):
+class SpecDecodeDeployment(SpecModel):
     api_version: Literal["specd.dev/v1alpha1"] = Field("specd.dev/v1alpha1", alias="apiVersion")
     kind: Literal["SpecDecodeDeployment"] = "SpecDecodeDeployment"
     metadata: Metadata

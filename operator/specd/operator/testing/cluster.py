@@ -25,6 +25,7 @@ from specd.operator.crd import build_crd
 from specd.operator.handlers import build_registry, operator_settings
 from specd.operator.reconcile import OperatorContext
 from specd.operator.testing.fake_kube import FakeKube
+from specd.workers.contracts import AdminStatus
 
 NAMESPACE = "default"
 REPO = Path(__file__).resolve().parents[4]
@@ -51,12 +52,13 @@ def kopf_in_thread(ctx: OperatorContext, namespace: str = NAMESPACE) -> Iterator
 
 
 class FakeGateway:
-    """Serves ``/{namespace}/{name}/admin/status`` from documents the test sets, and
-    ``POST .../admin/release`` (JSON only; records the call and its Authorization,
+    """Serves ``/{namespace}/{name}/admin/status`` from documents the test sets (an
+    `AdminStatus`, or a raw JSON mapping to play a gateway that breaks the contract),
+    and ``POST .../admin/release`` (JSON only; records the call and its Authorization,
     empties the document's actors)."""
 
     def __init__(self) -> None:
-        self.docs: dict[tuple[str, str], dict[str, Any]] = {}
+        self.docs: dict[tuple[str, str], AdminStatus | dict[str, Any]] = {}
         self.polls: dict[tuple[str, str], int] = {}
         self.releases: list[tuple[tuple[str, str], str]] = []  # (key, Authorization)
         self.app = aiohttp.web.Application()
@@ -69,7 +71,10 @@ class FakeGateway:
         self.polls[key] = self.polls.get(key, 0) + 1
         if key not in self.docs:
             return aiohttp.web.json_response({"error": "not up"}, status=503)
-        return aiohttp.web.json_response(self.docs[key])
+        doc = self.docs[key]
+        if isinstance(doc, AdminStatus):
+            doc = doc.model_dump(mode="json")
+        return aiohttp.web.json_response(doc)
 
     async def _release(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
         key = (request.match_info["namespace"], request.match_info["name"])
@@ -78,8 +83,13 @@ class FakeGateway:
         if request.content_type != "application/json":  # as the real gateway (GuardAdmin)
             return aiohttp.web.json_response({"error": "needs JSON"}, status=415)
         self.releases.append((key, request.headers.get("Authorization", "")))
-        released = [a["name"] for a in self.docs[key].get("actors", [])]
-        self.docs[key] = {**self.docs[key], "actors": [], "released": True}
+        doc = self.docs[key]
+        if isinstance(doc, AdminStatus):
+            released = [a.name for a in doc.actors]
+            self.docs[key] = doc.model_copy(update={"actors": (), "released": True})
+        else:
+            released = [a["name"] for a in doc.get("actors", [])]
+            self.docs[key] = {**doc, "actors": [], "released": True}
         return aiohttp.web.json_response({"released": released})
 
     def url(self, namespace: str, name: str) -> str:

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 
 from specd.workers.engine.detokenizer import IncrementalDetokenizer
-from specd.workers.engine.request_faults import record_fault, replica_fault
-from specd.workers.engine.types import FinishReason, GenerateDelta, Usage
-from specd.workers.metrics import EngineMetrics
-from specd.workers.scheduler.request import Req
+from specd.workers.engine.metrics import EngineMetrics
+from specd.workers.requests.faults import record_fault, replica_fault
+from specd.workers.requests.request import Req
+from specd.workers.types import FinishReason, GenerateDelta, Usage
 
 
 @dataclasses.dataclass(slots=True)

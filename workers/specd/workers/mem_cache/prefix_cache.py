@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
-from specd.workers.prefix_affinity import next_key
+from specd.workers.mem_cache.block_keys import next_key
 
 
 @dataclass(eq=False, slots=True)
@@ -55,7 +55,7 @@ class CachedPrefix:
 
 class PrefixCache:
     """With ``block_tokens`` (a multiple of the page size), each page that ends a block
-    of that many tokens is keyed as the gateway keys prompts (`prefix_affinity.next_key`,
+    of that many tokens is keyed as the gateway keys prompts (`block_keys.next_key`,
     computed once, on insertion), and ``on_evict(key)`` hears of its eviction."""
 
     def __init__(

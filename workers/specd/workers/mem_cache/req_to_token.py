@@ -32,6 +32,3 @@ class ReqToTokenPool:
         if row in self._free_rows:
             raise RuntimeError(f"request row {row} freed twice")
         self._free_rows.append(row)
-
-    def free_rows(self) -> frozenset[int]:
-        return frozenset(self._free_rows)

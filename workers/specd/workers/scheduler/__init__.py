@@ -1,1 +1,2 @@
-"""Scheduling: requests, the per-step batch description and the continuous-batching policy."""
+"""Scheduling: continuous batching, admission, retraction, policies, streaming sessions'
+KV and the bonus-slot accounting of speculative steps."""

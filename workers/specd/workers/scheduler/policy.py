@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from specd.workers.mem_cache.kv_manager import held_slots
-from specd.workers.scheduler.request import Req
+from specd.workers.requests.request import Req
 
 Policy = Literal["fcfs", "priority"]
 

@@ -11,7 +11,7 @@ goes back to the queue, keeping its output so far (it is re-prefilled later and
 continues exactly where it stopped).  Under the priority policy a waiting request
 that cannot start preempts running requests of lower priority the same way.  A
 waiting request whose prompt opens like the prompt of a request still prefilling is
-passed over until that prefill has computed the shared pages (`awaits_shared_prefill`),
+passed over until that prefill has computed the shared pages (`prefix_sharing.py`),
 so it borrows them from the prefix cache instead of computing them a second time.
 
 The scheduler only does bookkeeping; it never builds tensors for the model.
@@ -20,30 +20,29 @@ The scheduler only does bookkeeping; it never builds tensors for the model.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from specd.workers.engine.types import FinishReason
 from specd.workers.mem_cache.kv_manager import KVManager, RowWidthExceeded
 from specd.workers.mem_cache.sizing import SpecShape, admission_headroom, decode_alloc_target
-from specd.workers.scheduler.batch import RunnerOutput, ScheduledBatch
+from specd.workers.requests.batch import RunnerOutput, ScheduledBatch
+from specd.workers.requests.request import Req, RequestStatus
+from specd.workers.requests.stop import check_stop, reaches_length_limit
+from specd.workers.scheduler.accounting import (
+    preclaim_bonus_slot,
+    resolve_committed,
+    return_preclaimed_slot,
+)
 from specd.workers.scheduler.policy import (
     Policy,
     enqueue,
     preemption_victims,
     retraction_victim,
 )
-from specd.workers.scheduler.request import Req, RequestStatus
-from specd.workers.scheduler.sessions import SessionStore
-from specd.workers.scheduler.stop import check_stop, reaches_length_limit
-from specd.workers.speculative.accounting import (
-    preclaim_bonus_slot,
-    resolve_committed,
-    return_preclaimed_slot,
-)
-
-# the least shared prompt, in tokens, worth waiting for another request's prefill
-MIN_SHARED_PREFILL_TOKENS = 32
+from specd.workers.scheduler.prefix_sharing import awaits_shared_prefill, start_on_cached_prefix
+from specd.workers.scheduler.session_store import SessionStore
+from specd.workers.scheduler.step_stats import StepStats
+from specd.workers.types import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +71,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # tokens new requests looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens found (their prefill skipped)
         self.deferred: list[Req] = []  # finished, KV freed once their step in flight ends
+        self._reported = StepStats()  # the totals at the last `take_step_stats`
 
     # -- queue -------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -129,6 +129,24 @@ class Scheduler:
         req.release_deferred = False
         if self.on_release is not None:
             self.on_release(req)
+
+    def totals(self) -> StepStats:
+        """The counters since this scheduler started."""
+        return StepStats(
+            retractions=self.num_retractions,
+            preemptions=self.num_preemptions,
+            session_evictions=self.num_session_evictions,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            row_width_errors=self.num_row_width_errors,
+        )
+
+    def take_step_stats(self) -> StepStats:
+        """What the counters added since the last call (the engine's one step: they
+        change only while a batch is scheduled)."""
+        totals = self.totals()
+        step, self._reported = totals.since(self._reported), totals
+        return step
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -256,10 +274,10 @@ class Scheduler:
                 if self._preempt_for(req):
                     continue
                 break
-            if self.awaits_shared_prefill(req):
+            if awaits_shared_prefill(self.kv, self.running, req):
                 passed_over.append(self.waiting.popleft())
                 continue
-            borrowed = self._start_on_cached_prefix(req)
+            borrowed = start_on_cached_prefix(self.kv, req)
             take = min(req.tokens_to_compute, budget)
             # room for its whole remaining prefill (a chunked prefill admitted without it
             # retracts itself, is readmitted, and starves the decodes), keeping each
@@ -283,45 +301,6 @@ class Scheduler:
             budget -= take
         self.waiting.extendleft(reversed(passed_over))  # their place in the queue kept
         return admitted
-
-    def awaits_shared_prefill(self, req: Req) -> bool:
-        """Whether ``req`` should wait: a running request is prefilling a prompt that
-        opens like ``req``'s and has not yet computed the shared whole pages (at least
-        `MIN_SHARED_PREFILL_TOKENS`).  Once it has, they are in the prefix cache for
-        ``req`` to borrow.  The wait is bounded: the shared part is the other prompt's
-        head, computed in its first chunks (a retracted request stops blocking)."""
-        if not self._may_borrow(req):
-            return False
-        page = self.kv.page_size
-        tokens = req.fill_ids[: req.cacheable_len]
-        for other in self.running:
-            if other.tokens_to_compute == 0 or not self._may_borrow(other, running=True):
-                continue
-            shared = shared_prefix_len(tokens, other.fill_ids[: other.cacheable_len])
-            shared -= shared % page
-            if shared >= MIN_SHARED_PREFILL_TOKENS and other.kv.committed < shared:
-                return True
-        return False
-
-    def _may_borrow(self, req: Req, running: bool = False) -> bool:
-        """Whether the prefix cache applies to ``req``: not to prompt scoring (it needs
-        every prompt row), nor to a waiting request that still holds a row, e.g. a
-        session turn whose history is its KV (``running``: one that does)."""
-        if self.kv.cache is None:
-            return False
-        return req.params.prompt_logprobs is None and (running or req.kv.row is None)
-
-    def _start_on_cached_prefix(self, req: Req) -> int | None:
-        """Let ``req`` (holding no KV) borrow the longest cached prefix of its tokens, all
-        but the last (whose row gives the next token's logits; a later session turn:
-        of its history, `Req.cacheable_len`) -> tokens borrowed, or None where the cache
-        does not apply to it (`_may_borrow`)."""
-        if not self._may_borrow(req):
-            return None
-        prefix = self.kv.cache.match(req.fill_ids[: req.cacheable_len])
-        if not prefix or not self.kv.borrow(req.kv, prefix):
-            return 0
-        return req.kv.committed
 
     def _count_cache_lookup(self, req: Req, borrowed: int | None) -> None:
         """A request admitted for the first time: its lookup in the usage and metrics."""
@@ -464,29 +443,3 @@ class Scheduler:
         if req.release_deferred and not req.inflight_steps:
             self._release(req)
         return False
-
-    def check_committed_lengths(self) -> None:
-        """Strict mode (seed 004): a drafting request's committed length is every token
-        but the last (whose KV the next verify writes), plus the root slot pre-claimed by
-        each verify still in flight.  Raises AssertionError naming the request."""
-        for req in self.running:
-            if not req.spec_ready:
-                continue
-            expected = req.num_fill - 1 + req.inflight_steps
-            if req.kv.committed != expected:
-                raise AssertionError(
-                    f"request {req.rid}: committed {req.kv.committed} != {req.num_fill - 1} "
-                    f"tokens with KV + {req.inflight_steps} pre-claimed root(s) of verify "
-                    f"steps in flight"
-                )
-
-
-def shared_prefix_len(a: Sequence[int], b: Sequence[int], stride: int = 64) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common (compared ``stride`` at a
-    time, then one by one: every step may ask this of long prompts)."""
-    n, i = min(len(a), len(b)), 0
-    while i + stride <= n and a[i : i + stride] == b[i : i + stride]:
-        i += stride
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -1,1 +1,2 @@
-"""Speculative decoding as pure tensor functions: draft trees (``tree``) and verify (``verify``)."""
+"""Speculative decoding: the draft loop and tree, verify, adaptive steps, the per-step
+decoder and its CUDA graphs."""

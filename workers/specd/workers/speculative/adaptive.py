@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specd.workers.speculative.rung import PLAIN, Rung
+from specd.workers.rung import PLAIN, Rung
 
 
 class AdaptiveController:

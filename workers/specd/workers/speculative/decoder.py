@@ -35,27 +35,27 @@ import torch
 
 from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
-from specd.workers.engine.logits_processors import LogitsProcessors
-from specd.workers.engine.logprobs import path_logprobs
-from specd.workers.engine.model_runner import extend_layout
-from specd.workers.engine.request_faults import contained
-from specd.workers.engine.sampling import (
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.llama import LlamaForCausalLM
+from specd.workers.requests.faults import contained
+from specd.workers.requests.request import Req
+from specd.workers.rung import Rung
+from specd.workers.runner.logits_processors import LogitsProcessors
+from specd.workers.runner.logprobs import path_logprobs
+from specd.workers.runner.model_runner import extend_layout
+from specd.workers.runner.sampling import (
     filtered_probs,
     greedy_ids,
     request_generator,
     usable_probs,
 )
-from specd.workers.mem_cache.kv_pool import KVPool
-from specd.workers.mem_cache.req_to_token import ReqToTokenPool
-from specd.workers.model.forward_context import ForwardContext
-from specd.workers.model.llama import LlamaForCausalLM
-from specd.workers.scheduler.request import Req
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.draft_loop import DraftInputs, DraftLoop
 from specd.workers.speculative.forced_accept import forced_accept
 from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
-from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.seq_lens import SeqLens
 from specd.workers.speculative.tree import DraftTree, build_tree, tree_attention_mask_for_verify
 from specd.workers.speculative.verify import (

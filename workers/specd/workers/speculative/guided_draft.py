@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specd.workers.engine.structured_output import GrammarState, allowed_tokens
-from specd.workers.scheduler.request import Req
+from specd.workers.requests.request import Req
+from specd.workers.runner.structured_output import GrammarState, allowed_tokens
 from specd.workers.speculative.tree import StepOut
 
 

@@ -36,11 +36,11 @@ from specd.kernels.metadata import (
     pad_metadata,
 )
 from specd.kernels.ops import host_tensor
-from specd.workers.engine.graph_runner import GraphRunner
-from specd.workers.engine.model_runner import extend_layout, model_graph_shape
 from specd.workers.model.forward_context import ForwardContext
+from specd.workers.rung import Rung
+from specd.workers.runner.graph_runner import GraphRunner
+from specd.workers.runner.model_runner import extend_layout, model_graph_shape
 from specd.workers.speculative.draft_loop import DraftInputs
-from specd.workers.speculative.rung import Rung
 from specd.workers.speculative.tree import DraftTree
 
 if TYPE_CHECKING:  # the decoder holds this module's SpecGraphs

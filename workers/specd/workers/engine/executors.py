@@ -1,0 +1,228 @@
+"""How an engine's batches run: plain decode or speculative decode, behind one interface.
+
+The factory picks one executor per engine (`factory.build_engine_parts`); the step
+pipeline and the engine never ask which.  An executor decides
+
+* what a step schedules: the scheduler's batch, for a verify with the rung the adaptive
+  controller or the load policy picks, and under overlap the batch launched ahead of
+  the one in flight (`schedule`, `schedule_ahead`);
+* which batches overlap only launches, resolving them while the next one is scheduled
+  (`pipelined`);
+* how a batch runs on the compute thread (`submit`) and how its output is resolved
+  (`process`: a runner output, or a speculative step's);
+* which CUDA graphs it captures (`capture_graphs`), and the draft's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from specd.workers.engine.compute import Compute
+from specd.workers.engine.metrics import EngineMetrics
+from specd.workers.requests.batch import RunnerOutput, ScheduledBatch
+from specd.workers.requests.request import Req
+from specd.workers.rung import PLAIN, Rung
+from specd.workers.runner.graph_runner import GraphRunner
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.scheduler.scheduler import Scheduler
+from specd.workers.speculative.adaptive import SpecPolicy
+from specd.workers.speculative.decoder import SpecDecoder
+from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.step_graphs import SpecGraphs
+
+if TYPE_CHECKING:
+    from specd.workers.config import SpeculativeSpec
+
+
+class StepExecutor(ABC):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, compute: Compute, overlap: bool):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.compute = compute  # where torch work runs (the compute thread under overlap)
+        self.overlap = overlap
+        self.graphs: GraphRunner | SpecGraphs | None = None  # once captured
+
+    @abstractmethod
+    def schedule(self) -> ScheduledBatch | None:
+        """This step's batch (its KV allocated), or None."""
+
+    @abstractmethod
+    def schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        """Overlap: the batch to launch behind ``in_flight`` before it is resolved, if any."""
+
+    @abstractmethod
+    def pipelined(self, batch: ScheduledBatch) -> bool:
+        """Under overlap, ``batch`` is only launched and stays in flight while the next
+        one is scheduled."""
+
+    @abstractmethod
+    def submit(self, batch: ScheduledBatch) -> Future:
+        """Queue ``batch`` on the compute thread (its result, or a ``LaunchedStep``)."""
+
+    @abstractmethod
+    def process(self, batch: ScheduledBatch, out) -> list[Req]:
+        """Resolve a computed batch (stop rules, metrics) -> the requests with new tokens."""
+
+    @abstractmethod
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """Capture this executor's CUDA graphs for batches of ``sizes`` requests."""
+
+
+class PlainExecutor(StepExecutor):
+    """Plain decode: prefill chunks and decodes in one batch; under overlap every batch is
+    launched, and the decode after it scheduled while it computes."""
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        return self.scheduler.schedule_decode_ahead(in_flight)
+
+    def pipelined(self, batch: ScheduledBatch) -> bool:
+        return self.overlap
+
+    def submit(self, batch: ScheduledBatch) -> Future:
+        if self.pipelined(batch):
+            return self.compute.submit(self.runner.launch, batch)
+        return self.compute.submit(self.runner.run, batch, None)
+
+    def process(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Req]:
+        return self.scheduler.process_result(batch, out)
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        self.graphs = self.runner.enable_decode_graphs(sizes, self.runner.req_pool.width)
+        self.graphs.capture()
+
+
+def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
+    """The rungs a speculative engine may run, so captures graphs for: its ladder, and
+    the plain rung when large batches run plain."""
+    rungs = list(speculative.ladder)
+    if speculative.policy.max_batch_for_spec is not None:
+        rungs.append(PLAIN)
+    return rungs
+
+
+class SpeculativeExecutor(StepExecutor):
+    """Speculative decode: prefill chunks run alone, and the draft then extends over the
+    same positions; every request with a draft state then verifies, on the rung the
+    adaptive controller (or the load policy) picks.  Under overlap only verifies are
+    pipelined."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        compute: Compute,
+        overlap: bool,
+        *,
+        decoder: SpecDecoder,
+        draft_head: DraftHead,
+        policy: SpecPolicy,
+        graph_rungs: Sequence[Rung],
+        metrics: EngineMetrics,
+    ):
+        super().__init__(scheduler, runner, compute, overlap)
+        self.decoder = decoder
+        self.draft_head = draft_head
+        self.policy = policy
+        self.graph_rungs = list(graph_rungs)
+        self.metrics = metrics
+        metrics.spec_adaptive_steps.set(policy.active.steps)
+        scheduler.on_release = self._forget_draft_state
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._with_rung(self.scheduler.schedule())
+
+    def schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
+        if self.scheduler.wants_extend():
+            return None
+        return self._with_rung(self.scheduler.schedule_verify(allow_retract=False))
+
+    def pipelined(self, batch: ScheduledBatch) -> bool:
+        return self.overlap and batch.verify
+
+    def submit(self, batch: ScheduledBatch) -> Future:
+        if batch.verify:
+            return self.compute.submit(
+                self.decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
+            )
+        return self.compute.submit(self._extend_compute, batch)
+
+    def process(self, batch: ScheduledBatch, out) -> list[Req]:
+        if batch.verify:
+            return self._process_verify(batch, out)
+        updated = self.scheduler.process_result(batch, out)
+        for req, sampled in zip(batch.reqs, batch.sample, strict=True):
+            req.spec_ready = req.spec_ready or (sampled and not req.finished)
+        return updated
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        self.graphs = SpecGraphs(self.decoder, self.graph_rungs, sizes)
+        self.decoder.graphs = self.graphs
+        self.graphs.capture()
+
+    def _with_rung(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
+        """Fix a verify batch's rung when it is scheduled: the adaptive controller's
+        active rung, or plain when the load policy says so (allocation stays widest)."""
+        if batch is None or not batch.verify:
+            return batch
+        rung, by_load = self.policy.choose(len(batch.reqs))
+        return dataclasses.replace(
+            batch,
+            rung=rung,
+            plain_by_load=by_load,
+            extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
+        )
+
+    def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Compute side of a prefill/decode batch, then the draft over the same positions."""
+        result = self.runner.run(batch, self.draft_head.capture_layers)
+        self._draft_after_extend(batch, result)
+        return result
+
+    def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        """Draft rows for the positions the target just filled (token ``p + 1`` with the
+        target's hidden at ``p``; the last one of a finished prompt is the sampled token)."""
+        features = self.draft_head.features(result.hidden, result.aux)
+        sampled = iter(result.next_token_ids)
+        starts, tokens, feats = [], [], []
+        q0 = 0
+        for req, start, n, done in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True
+        ):
+            ahead = req.fill_ids[start + 1 : start + n + 1]
+            tokens.append(ahead + [next(sampled)] if done else ahead)
+            starts.append(start)
+            feats.append(features[q0 : q0 + n])
+            q0 += n
+        self.decoder.after_extend(list(batch.reqs), starts, tokens, feats, list(batch.sample))
+
+    def _process_verify(self, batch: ScheduledBatch, out) -> list[Req]:
+        """Host side of a verify: resolve, stop rules, metrics."""
+        updated = self.scheduler.process_verify(batch, out.new_tokens, out.logprobs)
+        live = {id(r) for r in updated}
+        accepted = tuple(
+            n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live
+        )
+        self.metrics.observe_verify(accepted, batch.rung.draft_tokens - 1)
+        self._observe_rung(batch, out)
+        return updated
+
+    def _observe_rung(self, batch: ScheduledBatch, out) -> None:
+        """Feed the batch's acceptance (probe hits on the plain rung) to the adaptive
+        controller; every request the verify ran on counts, finished ones too."""
+        rung = batch.rung
+        self.metrics.observe_rung(rung.speculates, batch.plain_by_load)
+        self.policy.observe(
+            rung, batch.plain_by_load, out.accept_lens if rung.speculates else out.probes
+        )
+        self.metrics.spec_adaptive_steps.set(self.policy.active.steps)
+
+    def _forget_draft_state(self, req: Req) -> None:
+        """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
+        self.compute.submit(self.decoder.drop, [req.rid])

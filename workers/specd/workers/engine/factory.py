@@ -1,0 +1,397 @@
+"""An engine's parts, built from its `DeploymentSpec`: tokenizer, target model and draft,
+the KV memory (request rows, page allocator, K/V pools, prefix cache), the attention
+backend, the model runner and speculative decoder, the scheduler and session store, and
+the step executor.
+
+The plain-vs-speculative choice is made here, once: a spec with a draft gets a
+`SpeculativeExecutor` (decoder, adaptive policy, draft pool), one without a
+`PlainExecutor`; the engine only talks to the `StepExecutor` interface.
+
+Runs on the engine's compute thread (`Engine.start`): loading is torch work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specd.kernels import AttentionBackend, available_backends, get_backend, resolve_backend_name
+from specd.kernels.ops import KernelOps
+from specd.kernels.ops_choice import ops_for_backend
+from specd.workers.bench_knobs import BenchKnobs
+from specd.workers.config import ConfigError, DeploymentSpec
+from specd.workers.engine.compute import Compute
+from specd.workers.engine.executors import (
+    PlainExecutor,
+    SpeculativeExecutor,
+    StepExecutor,
+    spec_graph_rungs,
+)
+from specd.workers.engine.metrics import EngineMetrics
+from specd.workers.engine.session_transfer import SessionTransfer, kv_layout_of, vocabulary_of
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.block_keys import EvictedBlocks
+from specd.workers.mem_cache.kv_manager import KVManager
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.prefix_cache import PrefixCache
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.mem_cache.sizing import (
+    SpecShape,
+    check_widest_rung_fits_context,
+    kv_pool_tokens,
+    row_width,
+)
+from specd.workers.model.config import ModelConfig
+from specd.workers.model.draft_loader import load_draft
+from specd.workers.model.loader import load_model
+from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
+from specd.workers.runner.graph_runner import default_sizes
+from specd.workers.runner.logits_processors import LogitsProcessors
+from specd.workers.runner.model_runner import ModelRunner
+from specd.workers.scheduler.fit import FitPolicy
+from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
+from specd.workers.scheduler.session_store import SessionStore
+from specd.workers.speculative.adaptive import SpecPolicy
+from specd.workers.speculative.decoder import SpecDecoder
+from specd.workers.speculative.draft_head import DraftHead
+
+
+def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
+    """Seed 002: page size > 1 with topk > 1 only on backends that declare the paged tree."""
+    if shape is None or page_size == 1 or shape.topk == 1:
+        return
+    backends = available_backends()
+    if not backends[backend].supports_paged_tree:
+        able = sorted(name for name, caps in backends.items() if caps.supports_paged_tree)
+        raise ConfigError(
+            f"spec.attentionBackend: {backend} does not support spec.kvCache.pageSize "
+            f"{page_size} with spec.speculative.topk {shape.topk}; use one of {able}, "
+            f"or pageSize 1, or topk 1"
+        )
+
+
+def pick_device(spec: DeploymentSpec) -> str:
+    return "cuda" if spec.resources.gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+def sampling_defaults(spec: DeploymentSpec, config: ModelConfig) -> dict:
+    """What requests that leave sampling fields out get (``SamplingDefaultsSpec``)."""
+    return spec.sampling_defaults.resolve(config.generation_sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    """The loaded weights and what they fix: context length, eos ids, the draft."""
+
+    tokenizer: Any
+    model: torch.nn.Module
+    config: ModelConfig
+    context_length: int
+    eos_token_ids: frozenset[int]
+    sampling_defaults: dict  # for requests that leave sampling fields out
+    spec_shape: SpecShape | None  # the widest speculative layout; None for plain decode
+    spec_policy: SpecPolicy | None
+    draft_head: DraftHead | None
+
+
+@dataclass(frozen=True, slots=True)
+class KVMemory:
+    """One replica's KV memory: request rows, pages, the K/V pools on the same slots."""
+
+    req_pool: ReqToTokenPool
+    allocator: PagedTokenAllocator
+    kv: KVManager  # rows, pages, committed/allocated lengths and the prefix cache
+    kv_pool: KVPool  # the target's K/V
+    draft_pool: KVPool | None  # the draft's K/V (speculative engines)
+    evicted_blocks: EvictedBlocks  # for the gateway's cache-aware routing
+    backend_name: str
+    backend: AttentionBackend
+
+    @property
+    def pools(self) -> list[KVPool]:
+        """Every K/V pool: the target's, then the draft's (a session moves them all)."""
+        return [self.kv_pool] + ([self.draft_pool] if self.draft_pool is not None else [])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    models: Models
+    memory: KVMemory
+    runner: ModelRunner
+    spec_decoder: SpecDecoder | None
+    executor: StepExecutor
+    graphs_off: str | None  # why there are no CUDA graphs (None: captured)
+    fit: FitPolicy
+    sessions: SessionStore
+    scheduler: Scheduler
+    session_transfer: SessionTransfer
+
+
+def build_engine_parts(
+    spec: DeploymentSpec,
+    *,
+    device: torch.device,
+    knobs: BenchKnobs,
+    metrics: EngineMetrics,
+    compute: Compute,
+) -> EngineParts:
+    """Load and size everything one replica runs (on the compute thread)."""
+    models = load_models(spec, device, knobs)
+    memory = build_memory(spec, models, device)
+    processors = LogitsProcessors(sorted(models.eos_token_ids))
+    runner = ModelRunner(
+        models.model, memory.req_pool, memory.kv_pool, memory.backend, device, processors
+    )
+    spec_decoder = build_spec_decoder(spec, models, memory, device, knobs, processors)
+    fit = FitPolicy(
+        context_length=models.context_length,
+        page_size=memory.allocator.page_size,
+        pool_tokens=memory.allocator.total_tokens,
+        spec=models.spec_shape,
+    )
+    sessions = SessionStore(
+        memory.kv,
+        fit=fit,
+        enabled=spec.sessions.enabled,
+        max_sessions=spec.sessions.max_sessions,
+        timeout_s=spec.sessions.timeout_seconds,
+        bos_token_id=models.tokenizer.bos_token_id,
+    )
+    scheduler = build_scheduler(spec, models, memory.kv, sessions)
+    executor = build_executor(spec, models, scheduler, runner, spec_decoder, compute, metrics)
+    graphs_off = graphs_off_reason(spec, memory.backend_name, memory.kv.ops.name)
+    if graphs_off is None:
+        executor.capture_graphs(
+            default_sizes(min(spec.cuda_graph.max_batch_size, spec.max_running_requests))
+        )
+    transfer = SessionTransfer(
+        sessions,
+        memory.kv,
+        memory.pools,
+        compute.run,
+        vocabulary=vocabulary_of(spec),
+        kv_layout=kv_layout_of(spec, memory.kv_pool.buffer.dtype),
+        context_length=models.context_length,
+    )
+    return EngineParts(
+        models=models,
+        memory=memory,
+        runner=runner,
+        spec_decoder=spec_decoder,
+        executor=executor,
+        graphs_off=graphs_off,
+        fit=fit,
+        sessions=sessions,
+        scheduler=scheduler,
+        session_transfer=transfer,
+    )
+
+
+def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -> Models:
+    """Tokenizer, target and draft; a speculative spec's widest rung checked against the
+    context length before the draft loads."""
+    tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.path)
+    model, config = load_model(
+        spec.model.path,
+        dtype=spec.model.dtype.value,
+        device=str(device),
+        dummy=knobs.dummy_weights,
+        fused_elementwise=not knobs.eager_elementwise,
+    )
+    context_length = spec.model.context_length or config.max_position_embeddings
+    eos = frozenset(eos_token_ids(tokenizer, config))
+    defaults = sampling_defaults(spec, config)
+    spec_shape = SpecShape.from_spec(spec.speculative)
+    spec_policy = None
+    if spec.speculative is not None:
+        if spec.speculative.adaptive.enabled:
+            check_widest_rung_fits_context(spec_shape, spec.kv_cache.page_size, context_length)
+        spec_policy = SpecPolicy(spec.speculative)
+    draft_head = None
+    if spec.draft is not None:
+        draft, draft_config = load_draft(
+            spec.draft.path,
+            spec.draft.algorithm,
+            model,
+            config,
+            device=str(device),
+            dummy=knobs.dummy_weights,
+            fused_elementwise=not knobs.eager_elementwise,
+        )
+        draft_head = DraftHead(draft, draft_config)
+    return Models(
+        tokenizer=tokenizer,
+        model=model,
+        config=config,
+        context_length=context_length,
+        eos_token_ids=eos,
+        sampling_defaults=defaults,
+        spec_shape=spec_shape,
+        spec_policy=spec_policy,
+        draft_head=draft_head,
+    )
+
+
+def build_memory(spec: DeploymentSpec, models: Models, device: torch.device) -> KVMemory:
+    """Size the KV pool (the draft's KV shares the target's slots), then build the rows,
+    pages, prefix cache and K/V pools; the attention backend is chosen on the way."""
+    cfg, page = models.config, spec.kv_cache.page_size
+    dtype = next(models.model.parameters()).dtype
+    per_token = KVPool.bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype
+    )
+    draft_cfg = models.draft_head.config if models.draft_head is not None else None
+    if draft_cfg is not None:  # the draft's KV shares the target's slots
+        per_token += KVPool.bytes_per_token(
+            draft_cfg.num_kv_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim, dtype
+        )
+    free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, models.context_length)
+    num_pages = tokens // page
+    allocator = PagedTokenAllocator(num_pages, page)
+    sessions = spec.sessions.max_sessions if spec.sessions.enabled else 0
+    req_pool = ReqToTokenPool(
+        spec.max_running_requests + sessions,  # idle sessions keep their row
+        row_width(models.context_length, models.spec_shape, page),
+        device,
+        pad_slot=num_pages * page,  # the KV pools' pad slot (one past the allocator's)
+    )
+    head_dims = [cfg.head_dim] + ([draft_cfg.head_dim] if draft_cfg is not None else [])
+    backend_name, backend, ops = choose_backend(spec, models.spec_shape, device, dtype, head_dims)
+    evicted_blocks = EvictedBlocks(page)
+    cache = (
+        PrefixCache(allocator, evicted_blocks.evicted, evicted_blocks.block_tokens)
+        if spec.kv_cache.prefix_cache
+        else None
+    )
+    kv = KVManager(req_pool, allocator, ops, cache)
+    slots = num_pages * page
+    kv_pool = KVPool(
+        cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+    )
+    draft_pool = None
+    if draft_cfg is not None:
+        draft_pool = KVPool(
+            draft_cfg.num_kv_layers,
+            slots,
+            draft_cfg.num_kv_heads,
+            draft_cfg.head_dim,
+            dtype,
+            device,
+        )
+    return KVMemory(
+        req_pool=req_pool,
+        allocator=allocator,
+        kv=kv,
+        kv_pool=kv_pool,
+        draft_pool=draft_pool,
+        evicted_blocks=evicted_blocks,
+        backend_name=backend_name,
+        backend=backend,
+    )
+
+
+def choose_backend(
+    spec: DeploymentSpec,
+    shape: SpecShape | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dims: list[int],
+) -> tuple[str, AttentionBackend, KernelOps]:
+    """The attention backend ``spec.attentionBackend`` resolves to here, and its kernel ops."""
+    page = spec.kv_cache.page_size
+    try:
+        paged_tree = shape is not None and page > 1 and shape.topk > 1
+        backend_name = resolve_backend_name(
+            spec.attention_backend, device.type, dtype, paged_tree, head_dims
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    check_backend_supports_layout(backend_name, shape, page)
+    backend = get_backend(backend_name, device.type, dtype)
+    return backend_name, backend, ops_for_backend(backend_name)
+
+
+def build_spec_decoder(
+    spec: DeploymentSpec,
+    models: Models,
+    memory: KVMemory,
+    device: torch.device,
+    knobs: BenchKnobs,
+    processors: LogitsProcessors,
+) -> SpecDecoder | None:
+    """The speculative decoder over the target and the draft (None without a draft)."""
+    if models.draft_head is None:
+        return None
+    return SpecDecoder(
+        models.model,
+        models.draft_head,
+        spec.kv_cache.page_size,
+        memory.req_pool,
+        memory.kv_pool,
+        memory.draft_pool,
+        memory.backend,
+        device,
+        ops=memory.kv.ops,
+        force_accept_len=knobs.force_accept_len,
+        processors=processors,
+        guided_drafts=not knobs.unguided_drafts,
+    )
+
+
+def build_scheduler(
+    spec: DeploymentSpec, models: Models, kv: KVManager, sessions: SessionStore
+) -> Scheduler:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_running_requests=spec.max_running_requests,
+            chunked_prefill_size=spec.scheduler.chunked_prefill_size,
+            context_length=models.context_length,
+            eos_token_ids=models.eos_token_ids,
+            spec=models.spec_shape,
+            policy=spec.scheduler.policy,
+        ),
+        kv,
+    )
+    scheduler.sessions = sessions
+    return scheduler
+
+
+def build_executor(
+    spec: DeploymentSpec,
+    models: Models,
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    spec_decoder: SpecDecoder | None,
+    compute: Compute,
+    metrics: EngineMetrics,
+) -> StepExecutor:
+    """The one place that picks plain or speculative decode."""
+    overlap = spec.scheduler.overlap
+    if spec_decoder is None:
+        return PlainExecutor(scheduler, runner, compute, overlap)
+    return SpeculativeExecutor(
+        scheduler,
+        runner,
+        compute,
+        overlap,
+        decoder=spec_decoder,
+        draft_head=models.draft_head,
+        policy=models.spec_policy,
+        graph_rungs=spec_graph_rungs(spec.speculative),
+        metrics=metrics,
+    )
+
+
+def graphs_off_reason(spec: DeploymentSpec, backend_name: str, ops_name: str) -> str | None:
+    """Why this engine runs without CUDA graphs, or None: the spec and the backend allow
+    them (captured on CUDA; without it emulated, see ``EmulatedGraph``)."""
+    if not spec.cuda_graph.enabled:
+        return "spec.cudaGraph.enabled is false"
+    if not available_backends()[backend_name].supports_graphs:
+        return f"the {backend_name} backend has no graph plans"
+    if ops_name != "triton":  # the torch ops read index lengths on the host
+        return f"graph bodies need the Triton kernel ops, not {ops_name}"
+    return None

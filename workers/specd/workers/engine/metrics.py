@@ -1,0 +1,209 @@
+"""Per-engine Prometheus metrics (names per DESIGN §4, every sample labelled ``replica``).
+
+Each engine owns a private ``CollectorRegistry`` so several engines can live in one
+process (tests) and the gateway can merge their expositions.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from specd.workers.scheduler.step_stats import StepStats
+
+disable_created_metrics()  # no *_created series: they double the exposition for no use here
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineMetrics:
+    def __init__(self, replica: str):
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["replica"]
+
+        def bind(metric, labels):
+            """Metrics without extra labels come back bound to this replica."""
+            return metric if labels else metric.labels(replica)
+
+        def gauge(name, doc, labels=()):
+            return bind(Gauge(name, doc, lbl + list(labels), registry=r), labels)
+
+        def counter(name, doc, labels=()):
+            return bind(Counter(name, doc, lbl + list(labels), registry=r), labels)
+
+        def histogram(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(name, doc, lbl, registry=r, buckets=buckets).labels(replica)
+
+        self.requests_running = gauge(
+            "specd_requests_running", "Requests holding KV and being served"
+        )
+        self.requests_queued = gauge("specd_requests_queued", "Requests waiting for admission")
+        self.kv_tokens_total = gauge("specd_kv_tokens_total", "Token slots in the KV pool")
+        self.kv_tokens_used = gauge(
+            "specd_kv_tokens_used",
+            "Token slots held by requests and sessions (whole pages; cached prefixes they "
+            "borrow included, evictable ones not)",
+        )
+        self.kv_tokens_cached = gauge(
+            "specd_kv_tokens_cached",
+            "Token slots of the prefix cache (whole pages), borrowed by requests or evictable",
+        )
+        self.prefix_cache_queried = counter(
+            "specd_prefix_cache_queried_tokens",
+            "Tokens of admitted requests looked up in the prefix cache",
+        )
+        self.prefix_cache_hits = counter(
+            "specd_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache (their prefill skipped)",
+        )
+        self.kv_tokens_reserved = gauge(
+            "specd_kv_tokens_reserved",
+            "Slots allocated beyond committed length, summed over requests",
+        )
+        self.engine_healthy = gauge("specd_engine_healthy", "1 while the engine loop is healthy")
+        self.ttft = histogram("specd_time_to_first_token_seconds", "Arrival to first output token")
+        self.itl = histogram("specd_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("specd_e2e_request_latency_seconds", "Arrival to finish")
+        self.prompt_tokens = counter("specd_prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("specd_generation_tokens", "Output tokens generated")
+        self.retractions = counter("specd_retractions", "Requests retracted because KV ran out")
+        self.preemptions = counter(
+            "specd_preemptions",
+            "Running requests retracted so that a waiting request of higher priority starts",
+        )
+        self.session_evictions = counter(
+            "specd_session_kv_evictions",
+            "Session KV freed under memory pressure (history kept; the next turn re-prefills)",
+        )
+        self.session_arrivals = counter(
+            "specd_session_arrivals",
+            "Sessions moved here from a draining replica, by what came along: kv, or "
+            "history only (the next turn re-prefills it)",
+            ["carried"],
+        )
+        self.aborts = counter("specd_aborts", "Requests aborted before finishing")
+        self.finished = counter("specd_requests_finished", "Finished requests", ["reason"])
+        self.structured_requests = counter(
+            "specd_structured_requests",
+            "Requests admitted with a grammar (structured output, tool calls), by kind",
+            ["kind"],
+        )
+        self.grammar_compile = histogram(
+            "specd_grammar_compile_seconds",
+            "Time to compile a request's grammar (or find it cached) and make its matcher",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )
+        self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
+        self.steps_launched_ahead = counter(
+            "specd_engine_steps_launched_ahead",
+            "Steps launched before the previous one was resolved (overlap scheduling)",
+        )
+        self.step_seconds = counter(
+            "specd_engine_step_seconds",
+            "Engine loop time by phase (host bookkeeping vs model)",
+            ["phase"],
+        )
+        self.leak_checks = counter(
+            "specd_leak_checks",
+            "KV leak checks run, by pool (token, req_to_token), mode (idle, busy) and result",
+            ["pool", "mode", "result"],
+        )
+        self.sessions_open = gauge("specd_sessions_open", "Streaming sessions open")
+        self.session_kv_tokens = gauge(
+            "specd_session_kv_tokens", "KV slots held by sessions between turns (whole pages)"
+        )
+        self.kv_reserve_ratio = gauge(
+            "specd_kv_reserve_usage_ratio",
+            "Share of the used KV slots that is speculative reserve (allocated beyond committed)",
+        )
+        self.spec_verify_steps = counter("specd_spec_verify_steps", "Speculative verify steps")
+        self.spec_draft_tokens = counter(
+            "specd_spec_draft_tokens", "Draft tokens proposed for verification (tree nodes)"
+        )
+        self.spec_accepted_tokens = counter(
+            "specd_spec_accepted_tokens", "Draft tokens accepted by verification (bonus excluded)"
+        )
+        self.spec_accepted_by_position = counter(
+            "specd_spec_accepted_by_position",
+            "Verifies whose accepted path reached this depth (1 = first draft token)",
+            ["position"],
+        )
+        self.spec_accept_length = Histogram(
+            "specd_spec_accept_length",
+            "Accepted draft tokens per verify (bonus excluded)",
+            lbl,
+            registry=r,
+            buckets=tuple(range(0, 17)),
+        ).labels(replica)
+        self.spec_adaptive_steps = gauge(
+            "specd_spec_adaptive_steps",
+            "Draft steps of the active speculation rung (0 = plain decode)",
+        )
+        self.spec_enabled = gauge(
+            "specd_spec_enabled",
+            "1 when the last verify batch speculated, 0 when it ran plain (rung 0 or load)",
+        )
+        self.spec_plain_steps = counter(
+            "specd_spec_plain_steps",
+            "Verify batches run as plain decode (steps 0): reason rung (the active rung) or "
+            "load (policy.maxBatchForSpec)",
+            ["reason"],
+        )
+        self.replica = replica
+        for pool in ("token", "req_to_token"):  # export zeros: alerts see "no failures"
+            for mode in ("idle", "busy"):
+                for result in ("ok", "fail"):
+                    self.leak_checks.labels(replica, pool, mode, result)
+        self.engine_healthy.set(1)
+        # Plain-number copies of the counters /admin/status reports (the operator's input)
+        self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.spec_plain = {"rung": 0, "load": 0}
+        self.leak_failures = 0
+
+    def leak_check(self, pool: str, mode: str, ok: bool) -> None:
+        """Count one leak check of ``pool`` (``token`` or ``req_to_token``)."""
+        self.leak_checks.labels(self.replica, pool, mode, "ok" if ok else "fail").inc()
+        if not ok:
+            self.leak_failures += 1
+
+    def observe_scheduler(self, stats: StepStats) -> None:
+        """Add what the scheduler did during one step (a row that could not grow counts
+        as a failed busy check of the row pool)."""
+        self.retractions.inc(stats.retractions)
+        self.preemptions.inc(stats.preemptions)
+        self.session_evictions.inc(stats.session_evictions)
+        self.prefix_cache_queried.inc(stats.prefix_queried_tokens)
+        self.prefix_cache_hits.inc(stats.prefix_hit_tokens)
+        for _ in range(stats.row_width_errors):
+            self.leak_check("req_to_token", "busy", ok=False)
+
+    def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens_per_verify: int) -> None:
+        """Account one verify batch: accept_lens are accepted drafts per request."""
+        totals = self.spec_totals
+        totals["verify_steps"] += len(accept_lens)
+        totals["draft_tokens"] += draft_tokens_per_verify * len(accept_lens)
+        totals["accepted_tokens"] += sum(accept_lens)
+        self.spec_verify_steps.inc(len(accept_lens))
+        self.spec_draft_tokens.inc(draft_tokens_per_verify * len(accept_lens))
+        self.spec_accepted_tokens.inc(sum(accept_lens))
+        for n in accept_lens:
+            self.spec_accept_length.observe(n)
+            for depth in range(1, n + 1):
+                self.spec_accepted_by_position.labels(self.replica, str(depth)).inc()
+
+    def observe_rung(self, speculated: bool, by_load: bool) -> None:
+        """Account one verify batch's rung: speculating, or plain and why."""
+        self.spec_enabled.set(1 if speculated else 0)
+        if not speculated:
+            reason = "load" if by_load else "rung"
+            self.spec_plain_steps.labels(self.replica, reason).inc()
+            self.spec_plain[reason] += 1
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,165 @@
+"""OpenAI API shapes the gateway speaks: requests, responses, stream chunks, errors.
+
+Requests validate everything the engine cannot see (types, ranges, ``n``, batched
+prompts, unsupported options) so a bad field becomes a 400 that names it.  Unknown
+fields are *ignored*, not rejected as OpenAI does: clients and SDKs send vendor fields
+(``extra_body``, tracing ids) that must not break a request.  Options we do not
+implement are accepted when they ask for nothing (``best_of: 1``, ``tools: []``) and
+refused otherwise, naming the field.
+
+``CompletionFormat`` and ``ChatFormat`` turn engine output into the two endpoints'
+response and chunk objects, so the gateway runs one code path for both.
+
+- `shared` — the API's limits, usage, log-probs, error objects and statuses,
+  `ResponseFormat`, models and session objects;
+- `generation` — `GenerationRequest`: the fields both generation endpoints take;
+- `completions` — ``/v1/completions`` and `CompletionFormat`;
+- `chat` — ``/v1/chat/completions`` (messages, tools) and `ChatFormat`;
+- `tokenize` — ``/tokenize`` and ``/detokenize``.
+"""
+
+from specd.workers.gateway.protocol.chat import (
+    CalledFunction,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatFormat,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    TextPart,
+    ToolCallDelta,
+    ToolCallOut,
+    ToolParam,
+    TopLogprob,
+    chat_logprobs,
+    chat_messages,
+    tools_for_template,
+)
+from specd.workers.gateway.protocol.completions import (
+    CompletionChoice,
+    CompletionFormat,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from specd.workers.gateway.protocol.generation import (
+    GenerationRequest,
+    JsonSchemaFormat,
+    ResponseFormatParam,
+    StreamOptions,
+    checked_template_kwargs,
+    output_constraints,
+)
+from specd.workers.gateway.protocol.shared import (
+    ADMIN_ERROR_STATUSES,
+    API_ERROR_STATUSES,
+    LOGPROB_FLOOR,
+    MAX_CHOICES,
+    MAX_STOP_SEQUENCES,
+    MAX_TOKEN_ID_DIGITS,
+    MAX_TOKENS,
+    ChoiceResult,
+    ErrorInfo,
+    ErrorResponse,
+    FinishReasonName,
+    Lenient,
+    Logprobs,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    RenderedLogprob,
+    ResponseBase,
+    ResponseFormat,
+    SessionDeleted,
+    SessionObject,
+    TokenId,
+    UsageInfo,
+    error_body,
+    error_responses,
+    omit_none,
+    render_logprobs,
+    token_text,
+)
+from specd.workers.gateway.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+__all__ = [
+    "ADMIN_ERROR_STATUSES",
+    "API_ERROR_STATUSES",
+    "CalledFunction",
+    "ChatChoice",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatDelta",
+    "ChatFormat",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatMessageOut",
+    "ChatTokenLogprob",
+    "ChoiceResult",
+    "CompletionChoice",
+    "CompletionFormat",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FinishReasonName",
+    "FunctionDef",
+    "GenerationRequest",
+    "JsonSchemaFormat",
+    "LOGPROB_FLOOR",
+    "Lenient",
+    "Logprobs",
+    "MAX_CHOICES",
+    "MAX_STOP_SEQUENCES",
+    "MAX_TOKENS",
+    "MAX_TOKEN_ID_DIGITS",
+    "ModelCard",
+    "ModelList",
+    "NamedFunction",
+    "NamedToolChoice",
+    "PromptTokensDetails",
+    "RenderedLogprob",
+    "ResponseBase",
+    "ResponseFormat",
+    "ResponseFormatParam",
+    "SessionDeleted",
+    "SessionObject",
+    "StreamOptions",
+    "TextPart",
+    "TokenId",
+    "TokenizeRequest",
+    "TokenizeResponse",
+    "ToolCallDelta",
+    "ToolCallOut",
+    "ToolParam",
+    "TopLogprob",
+    "UsageInfo",
+    "chat_logprobs",
+    "chat_messages",
+    "checked_template_kwargs",
+    "error_body",
+    "error_responses",
+    "omit_none",
+    "output_constraints",
+    "render_logprobs",
+    "token_text",
+    "tools_for_template",
+]

@@ -1,0 +1,180 @@
+"""`spec.speculative`: draft steps, tree shape, adaptive steps and the load policy, with
+the rules that tie numSteps, topk and numDraftTokens together."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
+
+from specd.workers.rung import Rung
+from specd.workers.spec_model import SpecModel, SubfieldError
+
+
+class CandidateRung(SpecModel):
+    """One adaptive rung written out; topk / numDraftTokens left out come from the spec."""
+
+    steps: int = Field(ge=0, le=16, description="Draft steps (0 = plain decode)")
+    topk: int | None = Field(None, ge=1, le=16)
+    num_draft_tokens: int | None = Field(None, ge=2, le=256)
+
+
+def _steps_as_rung(value: Any) -> Any:
+    return {"steps": value} if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# An entry is either an int (steps) or {steps, topk, numDraftTokens}.  Kubernetes
+# schemas have no int-or-object type, so the CRD keeps the item free-form and the
+# operator (pydantic) validates it.
+CandidateStep = Annotated[
+    CandidateRung,
+    BeforeValidator(_steps_as_rung),
+    WithJsonSchema(
+        {
+            "description": "steps (an integer), or {steps, topk, numDraftTokens}",
+            "x-kubernetes-preserve-unknown-fields": True,
+        }
+    ),
+]
+
+
+class AdaptiveSpec(SpecModel):
+    """Adaptive speculation: the draft steps follow the acceptance rate along candidateSteps."""
+
+    enabled: bool = False
+    candidate_steps: list[CandidateStep] = Field(
+        default_factory=list, description="The ladder, narrowest first (steps ascending)"
+    )
+    ema_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest verify batch")
+    warmup_batches: int = Field(8, ge=0, description="Verify batches before any decision")
+    update_interval: int = Field(4, ge=1, description="Verify batches between decisions")
+    up_threshold: float = Field(
+        0.8, gt=0, le=1, description="Vote up at an acceptance rate (accepted/steps) >= this"
+    )
+    down_threshold: float = Field(
+        0.3, ge=0, le=1, description="Vote down at an acceptance rate below this"
+    )
+    up_hysteresis: int = Field(2, ge=1, description="Consecutive up votes to move up")
+    down_hysteresis: int = Field(1, ge=1, description="Consecutive down votes to move down")
+
+    @model_validator(mode="after")
+    def _thresholds_ordered(self) -> AdaptiveSpec:
+        if self.down_threshold > self.up_threshold:
+            raise ValueError(
+                f"downThreshold ({self.down_threshold}) must not exceed upThreshold "
+                f"({self.up_threshold})"
+            )
+        return self
+
+
+class SpeculationPolicySpec(SpecModel):
+    """Load-aware speculation: large batches gain little from drafting."""
+
+    max_batch_for_spec: int | None = Field(
+        None, ge=1, description="A verify batch with more requests runs plain decode (steps 0)"
+    )
+
+
+class SpeculativeSpec(SpecModel):
+    num_steps: int = Field(3, ge=1, le=16, description="Draft steps per verify (S)")
+    topk: int = Field(1, ge=1, le=16, description="Branching per draft step (k); 1 = chain")
+    num_draft_tokens: int = Field(
+        4, ge=2, le=256, description="Tokens per verify incl. the root (T)"
+    )
+    adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
+    policy: SpeculationPolicySpec = Field(default_factory=SpeculationPolicySpec)
+    # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
+    # it neither reaches the engine config nor changes the config hash (no needless roll).
+    min_accept_length: float = Field(
+        1.5,
+        ge=1,
+        exclude=True,
+        description="SpeculationEffective is False while the mean accept length is below this",
+    )
+
+    @model_validator(mode="after")
+    def _consistent_tree(self) -> SpeculativeSpec:
+        for rule in speculative_rules(self.num_steps, self.topk, self.num_draft_tokens):
+            raise ValueError(rule)
+        _ = self.max_draft_tokens  # resolves and checks the ladder, caches T (once)
+        return self
+
+    # The cached values below are computed once per validated spec (seed 003).  The spec
+    # is frozen; a ``model_copy(update=...)`` of it would keep them stale, so rebuild a
+    # changed spec with ``model_validate`` instead.
+    @cached_property
+    def ladder(self) -> tuple[Rung, ...]:
+        """The rungs a verify may run, narrowest first: the adaptive candidates when
+        enabled, else the one configured (numSteps, topk, numDraftTokens)."""
+        candidates = self._candidate_rungs()
+        if self.adaptive.enabled:
+            return candidates
+        return (Rung(self.num_steps, self.topk, self.num_draft_tokens),)
+
+    @cached_property
+    def initial_rung(self) -> Rung:
+        """The rung whose steps equal numSteps, else the widest below it, else the first."""
+        below = [r for r in self.ladder if r.steps <= self.num_steps]
+        return below[-1] if below else self.ladder[0]
+
+    @cached_property
+    def max_draft_tokens(self) -> int:
+        """T that KV is sized for: the widest rung's, whichever rung is active."""
+        return max(r.draft_tokens for r in self.ladder)
+
+    def _candidate_rungs(self) -> tuple[Rung, ...]:
+        """``adaptive.candidateSteps`` resolved and checked (errors name the entry)."""
+        field = "adaptive.candidateSteps"
+        entries = self.adaptive.candidate_steps
+        if self.adaptive.enabled and not entries:
+            raise SubfieldError(field, "list at least one step count when adaptive is enabled")
+        rungs: list[Rung] = []
+        for i, entry in enumerate(entries):
+            if rungs and entry.steps <= rungs[-1].steps:
+                problem = "a duplicate" if entry.steps == rungs[-1].steps else "out of order"
+                raise SubfieldError(
+                    f"{field}[{i}]",
+                    f"steps {entry.steps} is {problem}: list each step count once, ascending",
+                )
+            rungs.append(self._resolve_rung(entry, f"{field}[{i}]"))
+        return tuple(rungs)
+
+    def _resolve_rung(self, entry: CandidateRung, path: str) -> Rung:
+        """topk defaults to the spec's; T to steps + 1 for a chain, else
+        min(numDraftTokens, topk * steps + 1).  Steps 0 is plain decode (T = 1)."""
+        if entry.steps == 0:
+            if entry.topk is not None or entry.num_draft_tokens is not None:
+                raise SubfieldError(
+                    path, "steps 0 is plain decode: leave out topk and numDraftTokens"
+                )
+            return Rung(0, 1, 1)
+        topk = entry.topk if entry.topk is not None else self.topk
+        tokens = entry.num_draft_tokens
+        if tokens is None:
+            tokens = default_num_draft_tokens(entry.steps, topk, cap=self.num_draft_tokens)
+        for rule in speculative_rules(entry.steps, topk, tokens):
+            raise SubfieldError(path, rule)
+        return Rung(entry.steps, topk, tokens)
+
+
+def default_num_draft_tokens(steps: int, topk: int, cap: int) -> int:
+    """T for ``steps`` draft steps of ``topk``: a chain verifies the root and one token per
+    step; a tree at most its ``topk * steps + 1`` nodes, and no more than ``cap``."""
+    return steps + 1 if topk == 1 else min(cap, topk * steps + 1)
+
+
+def speculative_rules(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
+    """The cross-field rules on (S, k, T), as messages for the ones broken."""
+    broken = []
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        broken.append(
+            f"numDraftTokens must be numSteps + 1 = {num_steps + 1} when topk is 1 "
+            f"(a chain verifies the root and one token per step); got {num_draft_tokens}"
+        )
+    if topk > 1 and num_draft_tokens > topk * num_steps + 1:
+        broken.append(
+            f"numDraftTokens must be at most topk * numSteps + 1 = {topk * num_steps + 1} "
+            f"(the tree has no more nodes); got {num_draft_tokens}"
+        )
+    return broken
