@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import grimp
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ("workers", "kernels", "operator")  # each holds a portion of `specd`
@@ -62,22 +63,28 @@ def test_the_import_contracts_hold():
     assert "0 broken" in result.stdout
 
 
-def test_a_lower_package_importing_a_higher_one_breaks_the_layers(tmp_path):
+@pytest.mark.parametrize(
+    ("importer", "refusal"),
+    [
+        pytest.param(
+            "workers/specd/workers/mem_cache/allocator.py",
+            "specd.workers.mem_cache is not allowed to import specd.workers.engine",
+            id="a-lower-package-importing-a-higher-one-breaks-the-layers",
+        ),
+        pytest.param(
+            "operator/specd/operator/naming.py",
+            "specd.operator is not allowed to import specd.workers.engine",
+            id="the-operator-importing-the-engine-breaks-its-independence",
+        ),
+    ],
+)
+def test_a_wrong_way_import_breaks_a_contract(tmp_path, importer, refusal):
     root = copy_tree(tmp_path)
-    allocator = root / "workers/specd/workers/mem_cache/allocator.py"
-    allocator.write_text(allocator.read_text() + "\nimport specd.workers.engine.engine  # noqa\n")
+    module = root / importer
+    module.write_text(module.read_text() + "\nimport specd.workers.engine.engine  # noqa\n")
     result = lint_imports(root)
     assert result.returncode != 0
-    assert "specd.workers.mem_cache is not allowed to import specd.workers.engine" in result.stdout
-
-
-def test_the_operator_importing_the_engine_breaks_its_independence(tmp_path):
-    root = copy_tree(tmp_path)
-    naming = root / "operator/specd/operator/naming.py"
-    naming.write_text(naming.read_text() + "\nimport specd.workers.engine.engine  # noqa\n")
-    result = lint_imports(root)
-    assert result.returncode != 0
-    assert "specd.operator is not allowed to import specd.workers.engine" in result.stdout
+    assert refusal in result.stdout
 
 
 def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
