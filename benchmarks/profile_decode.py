@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args.backends = args.backends[:1]
     with tempfile.TemporaryDirectory(prefix="specd-profile-") as tmp:
         target, _ = bench_gpu.write_folders(Path(tmp), bench_gpu.SHAPES[args.shape], args.dtype)
-        weight_bytes = bench_gpu.decode_weight_bytes(target, getattr(torch, args.dtype))
+        weight_bytes = bench_gpu.decode_weight_bytes(target, args.dtype)
         floor_ms = 1e3 * weight_bytes / bench_gpu.measure_bandwidth(args.device)
         engine = bench_gpu.make_engine(args, target, None, args.backends[0])
         try:

@@ -23,6 +23,7 @@ from specd.workers.model.inference_layout import (
     fuse_projections,
     stack_linears,
     use_fused_elementwise,
+    use_fused_moe,
 )
 from specd.workers.model.loader import load_model
 from specd.workers.model.rope import RotaryEmbedding
@@ -43,6 +44,9 @@ CASES = {
     "linear-rope": dict(variant="linear"),
     "mistral": dict(variant="mistral"),
     "sharded": dict(variant="gqa", sharded=True, seed=1),
+    "qwen3": dict(variant="qwen3"),  # q/k head norms, head_dim 32 != hidden / heads
+    "qwen3-moe": dict(variant="qwen3-moe"),  # layers 0 and 2 sparse, 1 dense
+    "mixtral": dict(variant="mixtral", sharded=True),  # experts split across shards
 }
 
 
@@ -321,7 +325,7 @@ def test_load_ignores_rope_buffer_and_reports_missing_folder_and_shard(broken_di
         load_model(sharded)
 
 
-@pytest.mark.parametrize("variant", ["gqa", "bias"])
+@pytest.mark.parametrize("variant", ["gqa", "bias", "qwen3"])
 @torch.no_grad()
 def test_inference_layout_fuses_projections_and_keeps_outputs(variant, tmp_path):
     """Loading fuses q/k/v and gate/up (biases too); the checkpoint layout, kept with
@@ -355,13 +359,35 @@ def test_fused_elementwise_kernels_keep_the_model_outputs(gqa_dir):
     layer = fused.model.layers[0]
     assert layer.input_layernorm.fused and layer.mlp.fused_silu_and_mul
     assert layer.self_attn.fused_rotary
-    prompts = _prompts(config.vocab_size, (7, 3))
+    _check_same_logits(eager, fused, config.vocab_size)
+
+
+def _check_same_logits(eager, fused, vocab_size: int) -> None:
+    """A ragged prefill of two prompts and a decode step: the same logits from both."""
+    prompts = _prompts(vocab_size, (7, 3))
     runners = [PagedRunner(m, page_size=4, num_pages=16, shuffle=True) for m in (eager, fused)]
     want, got = (r.extend([0, 1], prompts) for r in runners)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    step = [[int(t)] for t in want.view(-1, config.vocab_size)[[6, 9]].argmax(-1)]
+    step = [[int(t)] for t in want.view(-1, vocab_size)[[6, 9]].argmax(-1)]
     want, got = (r.extend([0, 1], step) for r in runners)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_fused_kernels_keep_qwen3_moe_outputs(tmp_path):
+    """Qwen3's q/k head norms through the Triton RMSNorm (rows of one head each) and the
+    experts through the Triton fused MoE, in Triton's interpreter: the eager logits."""
+    pytest.importorskip("triton")
+    path = make_tiny_checkpoint(tmp_path, variant="qwen3-moe")
+    eager, config = load_model(path, dtype="float32")
+    fused, _ = load_model(path, dtype="float32")
+    layers = config.num_hidden_layers
+    # norms (2 per layer, the final one, q and k per layer), 1 dense MLP, attentions
+    assert use_fused_elementwise(fused) == 2 * layers + 1 + 2 * layers + 1 + layers
+    assert use_fused_moe(fused) == len(config.moe.sparse_layers) == 2
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_norm.fused and attn.k_norm.fused and fused.model.layers[2].mlp.fused
+    _check_same_logits(eager, fused, config.vocab_size)
 
 
 def test_fusing_twice_is_a_no_op_and_mismatched_linears_are_refused(gqa_dir):

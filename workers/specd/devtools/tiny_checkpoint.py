@@ -1,11 +1,12 @@
-"""Tiny random Llama-family checkpoints with a real tokenizer, built fully offline.
+"""Tiny random Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+Mixtral) with a real tokenizer, built fully offline.
 
 Tests use these as the target model: ``transformers`` builds and saves the model (so
 the folder is exactly what ``save_pretrained`` writes), and a byte-level BPE trained on
 an embedded paragraph gives a tokenizer with a chat template.  Weights use a large
 init std so greedy argmax margins are wide and the generated tokens vary.
 
-    python -m specd.devtools.tiny_checkpoint OUT_DIR --variant gqa [--sharded]
+    python -m specd.devtools.tiny_checkpoint OUT_DIR --variant qwen3-moe [--sharded]
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -93,8 +100,31 @@ _VARIANTS: dict[str, tuple[tuple[type, type], dict[str, Any]]] = {
     ),
     "linear": (_LLAMA, dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
     "mistral": ((MistralConfig, MistralForCausalLM), dict(sliding_window=None)),
+    # head_dim 32 is not hidden / heads (16): Qwen3 sets it explicitly
+    "qwen3": ((Qwen3Config, Qwen3ForCausalLM), dict(head_dim=32, use_sliding_window=False)),
+    # layer 1 is dense (mlp_only_layers), layers 0 and 2 route each token to 2 of 8 experts
+    "qwen3-moe": (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            use_sliding_window=False,
+        ),
+    ),
+    "mixtral": (
+        (MixtralConfig, MixtralForCausalLM),
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
 }
 VARIANTS = tuple(_VARIANTS)
+# Norm weights drawn around 1 instead of transformers' ones, so a norm applied with the
+# wrong weight (Qwen3's q_norm for k_norm, say) changes the logits.
+_RANDOM_NORM_VARIANTS = ("qwen3", "qwen3-moe", "mixtral")
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -156,12 +186,22 @@ def make_tiny_checkpoint(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config).to(getattr(torch, dtype))
+        model = model_cls(config)
+        if variant in _RANDOM_NORM_VARIANTS:
+            _randomize_norms(model)
+        model = model.to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(out)
     spec_file.write_text(json.dumps(spec))
     return out
+
+
+@torch.no_grad()
+def _randomize_norms(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.uniform_(0.5, 1.5)
 
 
 def main(argv: list[str] | None = None) -> None:

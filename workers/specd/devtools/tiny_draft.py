@@ -67,7 +67,9 @@ def make_tiny_eagle(
     weights = {"fc.weight": _linear(g, hidden, 2 * hidden)}
     if fc_bias:
         weights["fc.bias"] = 0.1 * torch.randn(hidden, generator=g)
-    weights.update(_attention(g, target, "layers.0.self_attn", in_width=hidden, bias=qkv_bias))
+    # EAGLE (v1) derives its head size from hidden / heads whatever the target's is
+    head_dim = hidden // target.num_attention_heads
+    weights.update(_attention(g, target, "layers.0.self_attn", hidden, head_dim, bias=qkv_bias))
     weights.update(_mlp(g, target, "layers.0.mlp"))
     # Layer 0 has no input_layernorm in the published structure.
     weights["layers.0.post_attention_layernorm.weight"] = _norm(g, hidden)
@@ -121,7 +123,8 @@ def make_tiny_eagle3(
     # The tiny targets' residual streams reach |x| ~ 80; a smaller fc keeps the draft hidden
     # O(1), so float32 comparisons at a fixed absolute tolerance stay meaningful.
     weights = {"fc.weight": 0.1 * _linear(g, hidden, 3 * hidden)}
-    weights.update(_attention(g, target, "midlayer.self_attn", in_width=2 * hidden, bias=False))
+    attention = _attention(g, target, "midlayer.self_attn", 2 * hidden, target.head_dim, False)
+    weights.update(attention)
     weights.update(_mlp(g, target, "midlayer.mlp"))
     for norm in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
         weights[f"midlayer.{norm}.weight"] = _norm(g, hidden)
@@ -167,6 +170,7 @@ def _llama_config(
         "eos_token_id": raw.get("eos_token_id"),
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
+        "head_dim": target.head_dim,  # Qwen3's differs from hidden / heads
         "initializer_range": 0.02,
         "intermediate_size": target.intermediate_size,
         "max_position_embeddings": target.max_position_embeddings,
@@ -200,10 +204,15 @@ def _norm(g: torch.Generator, size: int) -> torch.Tensor:
 
 
 def _attention(
-    g: torch.Generator, target: ModelConfig, prefix: str, in_width: int, bias: bool
+    g: torch.Generator,
+    target: ModelConfig,
+    prefix: str,
+    in_width: int,
+    head_dim: int,
+    bias: bool,
 ) -> dict[str, torch.Tensor]:
-    q_size = target.num_attention_heads * target.head_dim
-    kv_size = target.num_key_value_heads * target.head_dim
+    q_size = target.num_attention_heads * head_dim
+    kv_size = target.num_key_value_heads * head_dim
     weights = {}
     for name, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
         weights[f"{prefix}.{name}.weight"] = _linear(g, size, in_width)

@@ -62,7 +62,12 @@ class DType(str, Enum):
 class ModelSpec(SpecModel):
     path: str = Field(min_length=1, description="Local Hugging Face folder of the target model")
     tokenizer: str | None = Field(None, description="Tokenizer folder (default: model path)")
-    dtype: DType = DType.auto
+    dtype: DType = Field(
+        DType.auto,
+        description="Activation dtype, and the dtype of weights the checkpoint does not "
+        "quantize (auto: the checkpoint's, bfloat16 for published FP8 models); FP8 "
+        "weights are read from config.json's quantization_config, not set here",
+    )
     context_length: int | None = Field(None, ge=16, description="Override max positions")
     name: str | None = Field(None, description="Model id served on /v1/models")
 

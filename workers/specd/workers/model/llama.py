@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2) over paged KV.
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2, Qwen3,
+Qwen3-MoE, Mixtral) over paged KV.
 
 Input is a flattened ragged batch: ``N`` tokens from any number of requests, no
 padding.  Which tokens belong to which request, where their K/V are written and which
@@ -8,6 +9,9 @@ Module and parameter names are exactly those of ``transformers`` so a checkpoint
 state dict loads 1:1 (``model.layers.{i}.self_attn.q_proj.weight``, ...); the loaders
 then fuse q/k/v and gate/up for serving (``inference_layout.py``), and on CUDA point
 RMSNorm, SiLU-and-mul and RoPE at one-launch Triton kernels (``fused`` attributes).
+The families differ in two places: Qwen3's per-head RMSNorm on q and k before RoPE
+(``q_norm``/``k_norm``), and a sparse mixture of experts in place of the MLP in some
+layers (``moe_block.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 
 from specd.workers.model.config import ModelConfig
 from specd.workers.model.forward_context import ForwardContext
+from specd.workers.model.moe_block import SparseMoeBlock, feed_forward_name
 from specd.workers.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -36,8 +41,9 @@ class RMSNorm(nn.Module):
         self.fused: Callable | None = None  # (x, weight, eps) -> out, one launch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] -> same shape (the fused kernel sees rows [-1, hidden])."""
         if self.fused is not None:
-            return self.fused(x, self.weight, self.eps)
+            return self.fused(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -58,6 +64,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None  # over each head, before RoPE (Qwen3)
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qkv_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj: nn.Module | None = None  # q|k|v as one matmul (inference_layout.py)
         self.fused_rotary: Callable | None = None  # apply_rotary in one launch
@@ -65,21 +76,27 @@ class LlamaAttention(nn.Module):
     def rotated_qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, in] -> q [N, heads, hd] and k [N, kv_heads, hd] with RoPE applied, and v
-        [N, kv_heads, hd].  Fused, q and k are adjacent columns of one output and take
-        one rotation (the same arithmetic, half the ops)."""
+        """x [N, in] -> q [N, heads, hd] and k [N, kv_heads, hd] with RoPE applied (and
+        Qwen3's head norms before it), and v [N, kv_heads, hd].  Fused without head
+        norms, q and k are adjacent columns of one output and take one rotation (the
+        same arithmetic, half the ops)."""
         n, hd = x.shape[0], self.head_dim
         rotate = self.fused_rotary or apply_rotary
         if self.qkv_proj is None:
             q = self.q_proj(x).view(n, self.num_heads, hd)
             k = self.k_proj(x).view(n, self.num_kv_heads, hd)
             v = self.v_proj(x).view(n, self.num_kv_heads, hd)
-            return rotate(q, cos, sin), rotate(k, cos, sin), v
-        qkv = self.qkv_proj(x)
-        qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
-        qk = rotate(qkv[:, :qk_size].view(n, -1, hd), cos, sin)
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        return q, k, qkv[:, qk_size:].view(n, self.num_kv_heads, hd)
+        else:
+            qkv = self.qkv_proj(x)  # [N, q | k | v]
+            if self.q_norm is None:
+                qk_size = self.qkv_sizes[0] + self.qkv_sizes[1]
+                qk = rotate(qkv[:, :qk_size].view(n, -1, hd), cos, sin)
+                q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+                return q, k, qkv[:, qk_size:].view(n, self.num_kv_heads, hd)
+            q, k, v = (part.view(n, -1, hd) for part in qkv.split(self.qkv_sizes, dim=1))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over the last dim: per head
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -116,16 +133,23 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        # a dense MLP or the experts, under the checkpoint's name (mlp / block_sparse_moe)
+        ffn = SparseMoeBlock(config) if config.is_sparse_layer(layer_id) else LlamaMLP(config)
+        self.feed_forward_name = feed_forward_name(config, layer_id)
+        setattr(self, self.feed_forward_name, ffn)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return getattr(self, self.feed_forward_name)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """x [N, hidden] residual stream in -> out."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):

@@ -1,18 +1,18 @@
 """What ``specd validate`` checks of a spec's model folders, without loading a weight.
 
-The target: config.json parses and names a supported architecture and rope
-(`load_model_config`), the dtype resolves, the weight files exist, and their tensors'
-names and shapes, read from the safetensors headers, are the ones the model built on
-the meta device expects.  The tokenizer loads.  The draft: its config.json agrees with
-the target's (hidden size, vocabulary; EAGLE-3's fields: `parse_draft_config`) and its
-weight files exist.  Every error names the spec field: ``spec.model.path: ...``.
+The target: config.json parses and names a supported architecture, rope and
+quantization (`load_model_config`), the dtype resolves, the weight files exist, and their
+tensors' names and shapes, read from the safetensors headers, are the ones the model
+built on the meta device expects; an FP8 checkpoint's weights are FP8 and come with
+scales of the right shapes (`check_checkpoint`, as the loader checks).  The tokenizer
+loads.  The draft: its config.json agrees with the target's (hidden size, vocabulary;
+EAGLE-3's fields: `parse_draft_config`) and its weight files exist.  Every error names the spec field: ``spec.model.path: ...``.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +21,8 @@ from specd.workers.config import ConfigError, DeploymentSpec, DraftSpec
 from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
 from specd.workers.model.draft_loader import parse_draft_config
 from specd.workers.model.llama import LlamaForCausalLM
-from specd.workers.model.loader import check_weights, resolve_dtype, weight_files
+from specd.workers.model.loader import check_checkpoint, resolve_dtype, weight_files
+from specd.workers.model.quantization import TensorHeader
 from specd.workers.model.tokenizer import load_tokenizer
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # as the loader: old checkpoints' rope buffer
@@ -32,14 +33,6 @@ _DRAFT_WEIGHT_FILES = (
     "pytorch_model.bin",
 )
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
-
-
-@dataclass(frozen=True, slots=True)
-class TensorHeader:
-    """One tensor as a safetensors header describes it (nothing read)."""
-
-    dtype: str
-    shape: tuple[int, ...]
 
 
 def safetensors_headers(file: Path) -> dict[str, TensorHeader]:
@@ -71,14 +64,13 @@ def check_target(path: str, dtype: str) -> ModelConfig:
         found.update(safetensors_headers(file))
     found = {n: t for n, t in found.items() if not n.endswith(_IGNORED_SUFFIXES)}
     with torch.device("meta"):
-        expected = {n: t.shape for n, t in LlamaForCausalLM(config).state_dict().items()}
-    # the head is tied (so not read) as `load_model` ties it: by config, or when absent
-    if config.tie_word_embeddings:
-        found.pop("lm_head.weight", None)
-    if "lm_head.weight" not in found:
-        expected.pop("lm_head.weight")
-    check_weights(folder, expected, found)
+        model = LlamaForCausalLM(config)
+    check_checkpoint(folder, model, found, info=_as_header)
     return config
+
+
+def _as_header(header: TensorHeader) -> TensorHeader:
+    return header
 
 
 def check_draft(draft: DraftSpec, target: ModelConfig) -> None:
