@@ -25,7 +25,8 @@ import math
 import torch
 from torch import nn
 
-from specd.workers.model.quantization import FP8_DTYPE, fp8_kernels
+from specd.kernels import fp8
+from specd.kernels.fp8 import FP8_DTYPE
 
 
 class Fp8Linear(nn.Module):
@@ -43,8 +44,8 @@ class Fp8Linear(nn.Module):
     ):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        kernels = fp8_kernels()  # the GEMMs import Triton on their first call
-        self._gemm = kernels.fp8_channel_linear if block is None else kernels.fp8_block_linear
+        # the GEMMs import Triton on their first call
+        self._gemm = fp8.fp8_channel_linear if block is None else fp8.fp8_block_linear
         weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
         self.weight = nn.Parameter(weight, requires_grad=False)
         if block is None:
@@ -87,7 +88,7 @@ def use_fp8_linears(
     ``modules`` (dotted names of ``nn.Linear`` in ``model``, built on meta) by an empty
     ``Fp8Linear``, except MoE experts and anything that is not an ``nn.Linear``; returns
     the names replaced.  The loader dequantizes the rest."""
-    if not fp8_kernels().fp8_gemm_available(device):
+    if not fp8.fp8_gemm_available(device):
         return []
     replaced = []
     for name in modules:

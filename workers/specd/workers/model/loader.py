@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from specd.kernels.fp8 import FP8_DTYPE
 from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
 from specd.workers.model.fp8_linear import use_fp8_linears
 from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.quantization import (
-    FP8_DTYPE,
     INPUT_SCALE,
     QuantizationConfig,
     QuantizedWeight,
@@ -200,11 +200,9 @@ class CheckedCheckpoint:
 def check_checkpoint(
     folder: Path,
     model: LlamaForCausalLM,
-    found: dict[str, Any],
-    info: Callable[[Any], TensorHeader] = TensorHeader.of,
+    found: dict[str, torch.Tensor | TensorHeader],
 ) -> CheckedCheckpoint:
-    """Check ``found`` (the checkpoint's tensors, or their headers with ``info`` the
-    identity) against ``model`` built on meta: FP8 weights' dtypes and scales
+    """Check ``found`` (the checkpoint's tensors, or their safetensors headers) against ``model`` built on meta: FP8 weights' dtypes and scales
     (``check_quantized_tensors``), then every name and shape (``check_weights``).  Takes
     the scales, and a head ``tie_word_embeddings`` ignores, out of ``found``.
 
@@ -214,7 +212,7 @@ def check_checkpoint(
     quantized = expected_quantized_tensors(expected, config.quantization)
     if config.tie_word_embeddings:
         found.pop("lm_head.weight", None)
-    headers = {name: info(t) for name, t in found.items()}
+    headers = {name: TensorHeader.of(t) for name, t in found.items()}
     check_quantized_tensors(folder, quantized, headers, config.quantization)
     scales = pop_scales(found, quantized)
     tie = "lm_head.weight" not in found

@@ -6,7 +6,8 @@ tensors' names and shapes, read from the safetensors headers, are the ones the m
 built on the meta device expects; an FP8 checkpoint's weights are FP8 and come with
 scales of the right shapes (`check_checkpoint`, as the loader checks).  The tokenizer
 loads.  The draft: its config.json agrees with the target's (hidden size, vocabulary;
-EAGLE-3's fields: `parse_draft_config`) and its weight files exist.  Every error names the spec field: ``spec.model.path: ...``.
+EAGLE-3's fields: `parse_draft_config`) and its weight files exist.  Every error names
+the spec field: ``spec.model.path: ...``.
 """
 
 from __future__ import annotations
@@ -65,12 +66,8 @@ def check_target(path: str, dtype: str) -> ModelConfig:
     found = {n: t for n, t in found.items() if not n.endswith(_IGNORED_SUFFIXES)}
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    check_checkpoint(folder, model, found, info=_as_header)
+    check_checkpoint(folder, model, found)
     return config
-
-
-def _as_header(header: TensorHeader) -> TensorHeader:
-    return header
 
 
 def check_draft(draft: DraftSpec, target: ModelConfig) -> None:

@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from specd.kernels import fp8
 from specd.workers.model.errors import ModelLoadError
 
-FP8_DTYPE = torch.float8_e4m3fn  # the one FP8 format read (``specd.kernels.fp8.FP8_DTYPE``)
 _SUPPORTED_FORMATS = ("float-quantized", "naive-quantized")  # compressed-tensors' FP8 formats
 FP8_CODE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
 _FLOAT_CODES = ("F32", "BF16", "F16", "F64")
@@ -108,17 +108,11 @@ class TensorHeader:
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorHeader:
+    def of(cls, tensor: torch.Tensor | TensorHeader) -> TensorHeader:
+        """A read tensor's header; a header (from a file, unread) as it is."""
+        if isinstance(tensor, TensorHeader):
+            return tensor
         return cls(_SAFETENSORS_CODES.get(tensor.dtype, str(tensor.dtype)), tuple(tensor.shape))
-
-
-def fp8_kernels():
-    """``specd.kernels.fp8``, imported when an FP8 checkpoint needs it.  It is torch only,
-    so CPU installs without Triton dequantize FP8 checkpoints at load; its CUDA GEMMs
-    import Triton when they first run, and ``fp8_gemm_available`` is False without it."""
-    from specd.kernels import fp8
-
-    return fp8
 
 
 def _refuse(field: str, value: Any, supported: str) -> ModelLoadError:
@@ -173,9 +167,8 @@ def _parse_block_fp8(qc: Mapping[str, Any]) -> QuantizationConfig:
         and all(isinstance(b, int) and b > 0 for b in block)
     ):
         raise _refuse("weight_block_size", block, "two positive integers, e.g. [128, 128]")
-    kernels = fp8_kernels()
-    if not kernels.supported_block(tuple(block)):
-        raise _refuse("weight_block_size", list(block), kernels.SUPPORTED_BLOCKS_TEXT)
+    if not fp8.supported_block(tuple(block)):
+        raise _refuse("weight_block_size", list(block), fp8.SUPPORTED_BLOCKS_TEXT)
     ignored = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
     return QuantizationConfig("fp8", Scheme.BLOCK, (block[0], block[1]), tuple(ignored))
 
@@ -358,7 +351,6 @@ def dequantize(
     weight: torch.Tensor, scale: torch.Tensor, qconfig: QuantizationConfig, dtype: torch.dtype
 ) -> torch.Tensor:
     """An FP8 weight ``[out, in]`` and its canonical scale -> the weight in ``dtype``."""
-    kernels = fp8_kernels()
     if qconfig.scheme is Scheme.BLOCK:
-        return kernels.dequantize_block(weight, scale, qconfig.block, dtype)
-    return kernels.dequantize_channel(weight, scale, dtype)
+        return fp8.dequantize_block(weight, scale, qconfig.block, dtype)
+    return fp8.dequantize_channel(weight, scale, dtype)
