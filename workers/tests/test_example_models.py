@@ -11,12 +11,7 @@ The answer must be transformers' greedy text for the same prompt ids."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import openai
@@ -24,8 +19,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-import specd
-from specd.devtools.testing import hf_greedy, random_prompts
+from specd.devtools.testing import hf_greedy, random_prompts, specd_serve
 from specd.devtools.tiny_draft import make_tiny_eagle3
 
 pytestmark = pytest.mark.slow
@@ -54,32 +48,6 @@ def _local_copy(example: str, target: str, draft: str, out: Path) -> Path:
     return path
 
 
-def _serve(spec_file: Path, tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECD_ADMIN_TOKEN")}
-    roots = [str(Path(p).parent) for p in specd.__path__]
-    env["PYTHONPATH"] = os.pathsep.join([*roots, env.get("PYTHONPATH", "")])
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
-    env["SPECD_API_KEY"] = API_KEY
-    cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file), "--port", "0"]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    return proc, lines
-
-
-def _wait_ready(proc, lines: list[str], name: str, timeout_s: float = 180) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready = next((ln for ln in lines if ln.startswith(f"specd: {name} ready")), None)
-        if ready:
-            return ready.split(" on ")[-1].strip()
-        assert proc.poll() is None, "".join(lines)
-        time.sleep(0.2)
-    raise AssertionError(f"specd serve not ready in {timeout_s} s:\n{''.join(lines)}")
-
-
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_serves_transformers_greedy_text(example, tiny_models, tmp_path):
     target = tiny_models(EXAMPLES[example])
@@ -93,10 +61,10 @@ def test_example_serves_transformers_greedy_text(example, tiny_models, tmp_path)
         tokenizer.decode(tokens, skip_special_tokens=True)
         for tokens in hf_greedy(target, prompts, MAX_NEW)
     ]
-    proc, lines = _serve(spec_file, tmp_path)
-    try:
-        url = _wait_ready(proc, lines, name)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    with specd_serve(
+        spec_file, name, tmp_path / "state", env={"SPECD_API_KEY": API_KEY}, ready_timeout_s=180
+    ) as served:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=API_KEY, max_retries=0)
         assert [m.id for m in client.models.list()] == [served_name]
         for prompt, text in zip(prompts, expected, strict=True):
             done = client.completions.create(
@@ -108,13 +76,9 @@ def test_example_serves_transformers_greedy_text(example, tiny_models, tmp_path)
             )
             assert done.choices[0].text == text
             assert done.usage.completion_tokens == MAX_NEW
-        refused = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+        refused = openai.OpenAI(base_url=f"{served.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             refused.models.list()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "Traceback" not in "".join(lines), "".join(lines)
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(timeout=60) == 0, served.output
+    assert "Traceback" not in served.output, served.output

@@ -11,14 +11,10 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
-import os
 import signal
 import stat
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -30,8 +26,13 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-import specd
-from specd.devtools.testing import DEMO_TARGET, in_loop, running_gateway, with_thinking_tags
+from specd.devtools.testing import (
+    DEMO_TARGET,
+    in_loop,
+    running_gateway,
+    specd_serve,
+    with_thinking_tags,
+)
 from specd.devtools.tiny_checkpoint import SPECIAL_TOKENS, make_tiny_checkpoint
 from specd.devtools.tiny_draft import make_tiny_eagle
 from specd.workers.config import spec_for_model
@@ -56,11 +57,6 @@ def model_dir(tmp_path_factory) -> str:
     return str(
         make_tiny_checkpoint(tmp_path_factory.mktemp("gw-tiny"), max_position_embeddings=CONTEXT)
     )
-
-
-def _source_roots() -> str:
-    roots = [str(Path(p).parent) for p in specd.__path__]
-    return os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
 
 
 def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
@@ -88,25 +84,9 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         "  kvCache: {pageSize: 4}\n  scheduler: {overlap: true}\n"
         "  samplingDefaults: {temperature: 0}\n"
     )
-    unset = ("RAY_ADDRESS", "SPECD_ADMIN_TOKEN", "SPECD_ADMIN_TOKEN_FILE")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    env["PYTHONPATH"] = _source_roots()
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
     token_file = tmp_path / "state" / "specd" / "admin-token"
-    cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file), "--port", "0"]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        ready = _wait_for(
-            lambda: next((ln for ln in lines if ln.startswith("specd: smoke ready")), None),
-            90,
-            "specd serve ready",
-        )
-        url = ready.split(" on ")[-1].strip()
+    with specd_serve(spec_file, "smoke", tmp_path / "state") as served:
+        url, lines = served.url, served.lines
         _wait_for(
             lambda: any(f"curl {url}/v1/completions" in ln for ln in lines), 5, "the example curl"
         )
@@ -144,14 +124,9 @@ def test_serve_cli_smoke(model_dir, tmp_path):
         assert httpx.post(release, headers=with_token, timeout=10).status_code == 415
         released = httpx.post(release, json={}, headers=with_token, timeout=60)
         assert released.status_code == 200 and len(released.json()["released"]) == 1
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(timeout=5)
-    assert "Traceback" not in "".join(lines), "".join(lines)
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(timeout=60) == 0, served.output
+    assert "Traceback" not in served.output, served.output
 
 
 # -- the module's cluster and gateway ---------------------------------------------------

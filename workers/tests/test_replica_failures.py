@@ -25,8 +25,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-import specd
-from specd.devtools.testing import DEMO_EAGLE, DEMO_MODELS, DEMO_TARGET
+from specd.devtools.testing import DEMO_EAGLE, DEMO_MODELS, DEMO_TARGET, source_roots
 from specd.workers.cli import EXIT_INVALID, main
 from specd.workers.config import spec_for_model
 from specd.workers.gateway.app import build_app
@@ -71,9 +70,7 @@ def test_serve_exits_2_naming_an_unsupported_architecture(foo_model, tmp_path):
     """On a local Ray, `specd serve` checks the folders first (as `specd validate`
     does): exit 2 with the message, no actor started, no traceback."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [*(str(Path(p).parent) for p in specd.__path__), env.get("PYTHONPATH", "")]
-    )
+    env["PYTHONPATH"] = source_roots()
     cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file(tmp_path, foo_model))]
     started = time.monotonic()
     run = subprocess.run(

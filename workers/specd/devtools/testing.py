@@ -6,9 +6,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,6 +82,66 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
         gw.stop()
         thread.join(timeout=60)
     assert not thread.is_alive(), "a gateway did not stop"
+
+
+def source_roots() -> str:
+    """A PYTHONPATH for subprocesses that import this checkout's ``specd`` first."""
+    import specd
+
+    roots = [str(Path(p).parent) for p in specd.__path__]
+    return os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+
+
+@dataclasses.dataclass
+class ServeProcess:
+    """A running ``specd serve``: its process, the lines it has printed so far (read by
+    a thread) and its URL once ready."""
+
+    proc: subprocess.Popen
+    lines: list[str]
+    url: str = ""
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+@contextlib.contextmanager
+def specd_serve(
+    spec_file: Path,
+    name: str,
+    state_dir: Path,
+    env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = ("RAY_ADDRESS", "SPECD_ADMIN_TOKEN", "SPECD_ADMIN_TOKEN_FILE"),
+    ready_timeout_s: float = 90,
+) -> Iterator[ServeProcess]:
+    """``specd serve spec_file --port 0`` as a user runs it (its own local Ray), yielded
+    once it prints that ``name`` is ready; killed on exit if still running.  ``env`` is
+    added to this process's environment less ``unset``; the admin token file goes
+    under ``state_dir``."""
+    child_env = {k: v for k, v in os.environ.items() if k not in unset}
+    child_env |= {"PYTHONPATH": source_roots(), "XDG_STATE_HOME": str(state_dir), **(env or {})}
+    cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec_file), "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    served = ServeProcess(proc, [])
+    reader = threading.Thread(target=lambda: served.lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not served.url:
+            ready = next((ln for ln in served.lines if ln.startswith(f"specd: {name} ready")), "")
+            served.url = ready.split(" on ")[-1].strip()
+            assert proc.poll() is None or served.url, served.output
+            assert time.monotonic() < deadline, f"specd serve not ready:\n{served.output}"
+            time.sleep(0.1)
+        yield served
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
 
 
 def with_thinking_tags(model_path, out_dir) -> Path:
