@@ -241,7 +241,32 @@ def test_bench_gpu_smoke(tmp_path):
     assert report["args"]["elementwise"] == "eager" and "elementwise eager" in done.stdout
 
 
-def test_profile_decode_smoke(tmp_path):
+def test_bench_gpu_fp8_plain_smoke(tmp_path):
+    """``--dtype fp8 --spec off``: a block-wise FP8 target (dummy FP8 weights and scales),
+    plain decode only, its floor counting one byte per decoder weight."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/bench_gpu.py", "--shape", "tiny", "--device", "cpu"]
+    cmd += ["--batch", "1", "--new-tokens", "8", "--backends", "torch", "--json", str(out)]
+    done = subprocess.run(
+        [*cmd, "--dtype", "fp8", "--spec", "off"], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["errors"] == {} and [r["batch"] for r in report["rows"]] == [1]
+    row = report["rows"][0]
+    assert row["plain_tok_s"] > 0 and row["spec"] is None and row["speedup"] is None
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    shape = bench_gpu.SHAPES["tiny"]
+    bf16_folder, _ = bench_gpu.write_folders(tmp_path / "bf16", shape, "bfloat16")
+    assert report["weight_bytes"] < bench_gpu.decode_weight_bytes(bf16_folder, "bfloat16")
+
+
+
     """The decode profile's wall time per step on CPU (no kernels there), and its kernel
     families read off the names of real cuBLAS, Triton and flashinfer kernels."""
     out = tmp_path / "profile.json"
