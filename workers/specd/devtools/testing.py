@@ -8,12 +8,14 @@ import dataclasses
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -402,3 +404,19 @@ class Reference:
     def check_run(self, engine):
         """``check_exact_run`` of these prompts on ``engine`` (shut down after)."""
         return check_exact_run(engine, self.prompts, self.outputs, self.max_new, self.judge)
+
+
+def stalled_stream(url: str, path: str, body: dict) -> socket.socket:
+    """POST ``body`` to ``url`` + ``path`` on a socket with a small receive buffer that
+    nobody reads: a client that stopped reading its stream (close it when done)."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    sock.sendall(head + data)
+    return sock

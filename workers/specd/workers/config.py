@@ -266,6 +266,14 @@ class GatewaySpec(SpecModel):
         "a 1M-token prompt as text or as token ids); over it: 413, before the body is "
         "read whole",
     )
+    max_stream_backlog: int = Field(
+        1024,
+        ge=16,
+        le=1 << 20,
+        description="Deltas a streamed response may have waiting for a client that does "
+        "not read; past it the stream is cut off with an error and its request aborted "
+        "(its KV freed), so a stalled reader holds neither gateway memory nor KV",
+    )
 
 
 class ResourcesSpec(SpecModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -107,6 +108,20 @@ class GenerateDelta:
     usage: Usage | None = None
     error: str | None = None
     error_code: int | None = None  # HTTP status a gateway should answer with
+
+    def then(self, later: GenerateDelta) -> GenerateDelta:
+        """This delta and the ``later`` one of the same request as one delta (a consumer
+        that fell behind takes what waited at once)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (*(self.logprobs or ()), *(later.logprobs or ()))
+        return dataclasses.replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            text=self.text + later.text,
+        )
 
 
 class InvalidRequest(ValueError):

@@ -65,6 +65,8 @@ from specd.workers.pool.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
 
+ENGINE_NICENESS = 0  # the engine actors' CPU priority in a Ray this gateway starts
+
 
 def build_app(
     pool: PoolController,
@@ -254,5 +256,8 @@ class Gateway:
                 namespace=ray_namespace(self.namespace),
                 include_dashboard=False,
                 num_cpus=max(os.cpu_count() or 1, needed),
+                # Ray starts workers at nice 15 by default: the replicas would then get
+                # the CPU only after this gateway and its clients on a shared machine
+                _system_config={"worker_niceness": ENGINE_NICENESS},
             )
         return True

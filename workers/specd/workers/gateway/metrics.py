@@ -119,7 +119,8 @@ class _Families:
 class _RoutingCounts:
     """The pool's counts as counters, read at scrape: routing (`PoolController.route`),
     session moves (`SessionDirectory.outcomes`), placements (`SessionDirectory.placements`),
-    replica deaths (`DeathReason`) and the leak-check failures of replicas gone."""
+    replica deaths (`DeathReason`), streams cut off for a stalled client and the
+    leak-check failures of replicas gone."""
 
     def __init__(self) -> None:
         self.pool: PoolController | None = None
@@ -174,13 +175,19 @@ class _RoutingCounts:
         )
         for reason in DeathReason:
             deaths.add_metric([reason.value], self.pool.deaths[reason])
+        cut_off = CounterMetricFamily(
+            "specd_gateway_streams_cut_off",
+            "Streamed responses cut off because their client stopped reading while "
+            "spec.gateway.maxStreamBacklog deltas waited (each request aborted, its KV freed)",
+            value=self.pool.supervisor.streams_cut_off,
+        )
         retired = CounterMetricFamily(
             "specd_retired_leak_check_failures",
             "KV leak-check failures of replicas no longer in the pool (dead or retired), as "
             "last reported: their specd_leak_checks_total series end with them",
             value=self.pool.retired_leak_check_failures,
         )
-        return [deaths, retired]
+        return [deaths, cut_off, retired]
 
 
 class CountRequests:

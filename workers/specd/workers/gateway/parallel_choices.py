@@ -43,8 +43,16 @@ async def merge_streams(
     streams: Sequence[AsyncGenerator[T, None]],
 ) -> AsyncGenerator[tuple[int, T], None]:
     """``(i, item)`` from every stream as items arrive, each stream in its own order;
-    closing this (a client gone) cancels and closes every stream."""
-    queue: asyncio.Queue[tuple[int, T | _Ended]] = asyncio.Queue()
+    closing this (a client gone) cancels and closes every stream.  One stream is read
+    directly (no task and queue per item); several are pumped through a bounded queue,
+    so a client that stops reading stops the pumps too (and its streams' backlogs grow
+    where they are bounded, `delta_channel.PendingStream`)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T | _Ended]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
         try:

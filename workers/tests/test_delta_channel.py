@@ -1,0 +1,102 @@
+"""The gateway's end of a delta channel, without Ray: a request's `PendingStream` merges
+what waited for a consumer that fell behind, keeps errors apart, and cuts off a stream
+whose backlog is full.  (The channel over Ray: test_gateway.py, test_slow_readers.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specd.workers.pool.delta_channel import SLOW_READER_CODE, PendingStream
+from specd.workers.pool.replica import ReplicaError
+from specd.workers.types import FinishReason, GenerateDelta, TokenLogprob, Usage
+
+
+def _token(i: int, *, logprob: bool = False) -> GenerateDelta:
+    lp = (TokenLogprob(-0.5 * i),) if logprob else None
+    return GenerateDelta(rid="r", token_ids=(i,), logprobs=lp, text=f"t{i}")
+
+
+def test_deltas_that_waited_come_out_as_one():
+    pending = PendingStream("r", max_backlog=16)
+    first = GenerateDelta(rid="r", token_ids=(1,), text="t1", prompt_logprobs=(None,), logprobs=())
+    for delta in (first, _token(2, logprob=True), _token(3, logprob=True)):
+        assert pending.put(delta)
+    usage = Usage(prompt_tokens=1, completion_tokens=4)
+    last = GenerateDelta(
+        rid="r",
+        token_ids=(4,),
+        text="t4",
+        logprobs=(),
+        finished=True,
+        finish_reason=FinishReason.LENGTH,
+        usage=usage,
+    )
+    pending.put(last)
+    merged = asyncio.run(pending.next())
+    assert merged.token_ids == (1, 2, 3, 4)
+    assert merged.text == "t1t2t3t4"
+    assert [lp.logprob for lp in merged.logprobs] == [-1.0, -1.5]
+    assert merged.prompt_logprobs == (None,)
+    assert merged.finished and merged.finish_reason is FinishReason.LENGTH
+    assert merged.usage == usage
+    assert pending.backlog == 0
+
+
+def test_an_error_is_not_merged_into_the_text_before_it():
+    pending = PendingStream("r", max_backlog=16)
+    error = GenerateDelta(
+        rid="r", finished=True, finish_reason=FinishReason.ERROR, error="boom", error_code=500
+    )
+    for delta in (_token(1), _token(2), error):
+        pending.put(delta)
+
+    async def both():
+        return await pending.next(), await pending.next()
+
+    text, failed = asyncio.run(both())
+    assert text.text == "t1t2" and not text.finished
+    assert failed is error
+
+
+def test_a_full_backlog_cuts_the_stream_off():
+    pending = PendingStream("r", max_backlog=3)
+    assert all(pending.put(_token(i)) for i in range(3))
+    assert not pending.put(_token(3))  # the fourth: cut off
+    assert pending.cut_off
+    assert pending.put(_token(4))  # after that, dropped quietly
+    assert pending.backlog == 4
+
+    async def drain():
+        return await pending.next(), await pending.next()
+
+    text, cut = asyncio.run(drain())
+    assert text.token_ids == (0, 1, 2)
+    assert cut.finished and cut.error_code == SLOW_READER_CODE
+    assert "stopped reading" in cut.error
+
+
+def test_a_channel_failure_reaches_the_consumer_after_what_was_queued():
+    pending = PendingStream("r", max_backlog=8)
+    pending.put(_token(1))
+    pending.fail(ReplicaError("r0", "replica r0 died while serving the request", lost=True))
+
+    async def read():
+        first = await pending.next()
+        with pytest.raises(ReplicaError, match="died"):
+            await pending.next()
+        return first
+
+    assert asyncio.run(read()).token_ids == (1,)
+
+
+def test_a_consumer_waits_for_the_next_delta():
+    pending = PendingStream("r", max_backlog=8)
+
+    async def later():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, pending.put, _token(7))
+        return await pending.next()
+
+    assert asyncio.run(later()).token_ids == (7,)
