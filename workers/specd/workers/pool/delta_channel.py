@@ -187,8 +187,7 @@ class DeltaChannel:
         stream = handle.deltas.options(
             num_returns="streaming", _generator_backpressure_num_objects=BATCHES_IN_FLIGHT
         ).remote(channel_id)
-        self._stream = stream
-        self._reader = asyncio.ensure_future(self._read(stream))
+        self._reader = asyncio.ensure_future(self._read(stream))  # held: a task is weak-referenced
 
     def register(self, rid: str, max_backlog: int) -> PendingStream:
         pending = PendingStream(rid, max_backlog)
