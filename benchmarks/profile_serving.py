@@ -8,10 +8,12 @@ spent by the gateway process, the engine actor(s), the rest of Ray, and this cli
 flame graph of the gateway and of each engine actor during each run.
 
     python benchmarks/profile_serving.py [--spec FILE.yaml] [--concurrency 1 64] \
-        [--requests 128] [--max-tokens 200] [--py-spy /tmp/prof]
+        [--requests 128] [--max-tokens 200] [--py-spy /tmp/prof] [--null-model]
 
 Without ``--spec`` it serves a tiny random checkpoint (context 4096), whose engine
-costs little, so the numbers are mostly the serving path's.  ``--slow-reader TOKENS``
+costs little, so the numbers are mostly the serving path's; ``--null-model`` serves the
+benchmark-only null model instead of its forward (``BenchKnobs.null_model``, through
+``SPECD_BENCH_KNOBS``), so the engine actor's CPU is its bookkeeping alone.  ``--slow-reader TOKENS``
 runs each load again beside one client that stops reading a long stream, and prints the
 other streams' ITL with it (the stalled stream is cut off by
 ``spec.gateway.maxStreamBacklog``).  ``--source DIR`` serves another
@@ -36,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from specd.devtools.testing import stalled_stream
+from specd.workers.bench_knobs import BenchKnobs
 
 TICKS = os.sysconf("SC_CLK_TCK")
 TINY_SPEC = """\
@@ -175,8 +178,10 @@ def beside_one_long_stream(
     return statistics.median(gaps) * 1e3
 
 
-def start_serve(spec: Path, source: str | None, port: int) -> subprocess.Popen:
-    env = dict(os.environ)
+def start_serve(
+    spec: Path, source: str | None, port: int, null_model: bool = False
+) -> subprocess.Popen:
+    env = {**os.environ, **BenchKnobs(null_model=null_model).as_env()}
     if source:
         roots = [f"{source}/{p}" for p in ("workers", "kernels", "operator")]
         env["PYTHONPATH"] = os.pathsep.join(roots)
@@ -211,11 +216,22 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8173)
     ap.add_argument("--py-spy", type=Path, help="record py-spy flame graphs into this folder")
     ap.add_argument(
+        "--py-spy-format",
+        choices=("flamegraph", "raw"),
+        default="flamegraph",
+        help="raw: collapsed stacks (one line per stack), for scripts",
+    )
+    ap.add_argument(
         "--slow-reader",
         type=int,
         metavar="TOKENS",
         help="run each load again beside one client that asks for TOKENS and reads nothing, "
         "and print the other streams' ITL with it",
+    )
+    ap.add_argument(
+        "--null-model",
+        action="store_true",
+        help="serve the null model (no forward; plain decoding only) instead of the model's",
     )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,11 +242,13 @@ def main() -> None:
             model = make_tiny_checkpoint(Path(tmp) / "tiny", max_position_embeddings=4096)
             spec = Path(tmp) / "tiny.yaml"
             spec.write_text(TINY_SPEC.format(model=model))
-        proc = start_serve(spec, args.source, args.port)
+        proc = start_serve(spec, args.source, args.port, args.null_model)
         try:
             url = wait_ready(proc)
             model = model_name(url)
             asyncio.run(stream_load(url, model, 4, 8, 16))  # warm up
+            if args.null_model:
+                print("# engine: the null model (SPECD_BENCH_KNOBS null_model: no forward)")
             print(
                 f"{'conc':>4} {'tok/s':>7} {'ITL ms':>7} | "
                 "CPU ms per streamed token: gateway engine ray client"
@@ -242,7 +260,8 @@ def main() -> None:
                     args.py_spy.mkdir(parents=True, exist_ok=True)
                     for role in ("gateway", "engine"):
                         for pid in roles[role]:
-                            out = args.py_spy / f"{role}-{pid}-c{concurrency}.svg"
+                            suffix = "svg" if args.py_spy_format == "flamegraph" else "txt"
+                            out = args.py_spy / f"{role}-{pid}-c{concurrency}.{suffix}"
                             spies.append(
                                 subprocess.Popen(
                                     [
@@ -254,6 +273,9 @@ def main() -> None:
                                         str(out),
                                         "-r",
                                         "50",
+                                        "--threads",
+                                        "-f",
+                                        args.py_spy_format,
                                     ],
                                     stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL,

@@ -119,10 +119,11 @@ def test_chat_prompts_are_templated_user_turns(bench, demo_tokenizer):
 @pytest.mark.parametrize("spec_on", [True, False], ids=["spec", "plain"])
 def test_served_spec_copy(bench, tmp_path, spec_on):
     out = tmp_path / "served.yaml"
-    doc = bench.served_spec_copy(bench.DEMO_SPEC, out, 2, spec_on)
+    doc = bench.served_spec_copy(bench.DEMO_SPEC, out, 2, spec_on, 4)
     deployment = load_deployment(out)  # a valid SDD wherever it is written
     assert deployment.spec.model.path == str(bench.DEMO_TARGET)
     assert deployment.spec.resources.cpu == 2
+    assert deployment.spec.scheduler.stream_interval == 4
     assert (deployment.spec.draft is not None) == spec_on
     fields = bench.engine_fields(doc)
     assert ("draft" in fields and "speculative" in fields) == spec_on
@@ -176,6 +177,18 @@ def test_vllm_runs_on_every_core_unless_told(bench, monkeypatch):
     assert bench.vllm_env()["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
 
+def test_capacity_serves_the_null_model_unless_told(bench, monkeypatch):
+    """``specd serve`` in capacity mode gets the null model's knob by default, and none
+    with ``--capacity-model tiny``; its engine actor reads it back."""
+    from specd.workers.bench_knobs import BenchKnobs
+
+    env = bench.capacity_env("null")
+    assert list(env) == ["SPECD_BENCH_KNOBS"]
+    monkeypatch.setenv("SPECD_BENCH_KNOBS", env["SPECD_BENCH_KNOBS"])
+    assert BenchKnobs.from_env() == BenchKnobs(null_model=True)
+    assert bench.capacity_env("tiny") == {}
+
+
 def test_without_a_client_it_says_so(bench, capsys):
     assert bench.main(["--sets", "code"]) == 2
     assert "--vllm-python" in capsys.readouterr().err
@@ -183,8 +196,8 @@ def test_without_a_client_it_says_so(bench, capsys):
 
 @pytest.mark.slow
 def test_capacity_mode_end_to_end(tmp_path):
-    """``--capacity`` for real: specd serve of a tiny checkpoint driven by
-    ``vllm bench serve``; every request completes with its 64 tokens."""
+    """``--capacity`` for real: specd serve of a tiny checkpoint with the null model,
+    driven by ``vllm bench serve``; every request completes with its 64 tokens."""
     if not Path(VLLM_PYTHON).exists():
         pytest.skip("no vLLM CPU virtualenv (SPECD_VLLM_PYTHON or .venv-vllm)")
     out = tmp_path / "rows.json"
@@ -197,3 +210,4 @@ def test_capacity_mode_end_to_end(tmp_path):
     assert row["served"]["completed"] == 8 and row["served"]["output_tokens"] == 8 * 64
     assert row["served"]["output_tok_s"] > 0
     assert "| 4 | 8 |" in done.stdout
+    assert "with the null model" in done.stdout

@@ -116,6 +116,20 @@ def test_stop_token_and_stop_string(engine):
         assert uncut == text and last.finish_reason is FinishReason.LENGTH
 
 
+def test_a_stop_string_ended_by_the_last_allowed_token_is_a_stop(engine):
+    """The stop string is checked before the length (vLLM's order): completed by the
+    max_tokens-th token, the finish reason is "stop", not "length"."""
+    prompt = [5, 6, 7, 8]
+    tokens, text, _ = run_all(engine, [prompt], max_tokens=10, ignore_eos=True)[0]
+    ends = [
+        text[-n:] for n in (1, 2, 3) if text[-n:].strip() and text.find(text[-n:]) == len(text) - n
+    ]
+    assert ends, f"no suffix of {text!r} occurs only at its end"
+    got, cut, last = run_all(engine, [prompt], max_tokens=10, stop=(ends[0],), ignore_eos=True)[0]
+    assert got == tokens and cut == text[: -len(ends[0])]
+    assert last.finish_reason is FinishReason.STOP
+
+
 def test_bad_requests_get_400(engine):
     bad = [
         ([], dict(max_tokens=1), "prompt"),

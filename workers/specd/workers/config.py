@@ -112,6 +112,16 @@ class SchedulerSpec(SpecModel):
         "`priority` (lower first, then arrival), and a waiting request preempts running "
         "ones of lower priority",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Output tokens a streamed request gathers before its next delta is "
+        "sent (the first token goes at once, the last delta when it finishes; requests "
+        "with stop strings send every step); 1: every step. Larger: less CPU per token "
+        "in the engine, gateway and client, burstier streams (SGLang's and vLLM's "
+        "--stream-interval)",
+    )
 
 
 class CudaGraphSpec(SpecModel):

@@ -144,7 +144,12 @@ class Engine:
         self.fit, self.sessions, self.scheduler = parts.fit, parts.sessions, parts.scheduler
         self.session_transfer = parts.session_transfer
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
-        self.outputs = OutputProcessor(self.metrics, self.tokenizer, self.scheduler.finish)
+        self.outputs = OutputProcessor(
+            self.metrics,
+            self.tokenizer,
+            self.scheduler.finish,
+            stream_interval=self.spec.scheduler.stream_interval,
+        )
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.pipeline = StepPipeline(self.executor, self.scheduler, self.outputs, self.metrics)
         self.leak_checks = LeakChecks(

@@ -46,6 +46,7 @@ from specd.workers.mem_cache.sizing import (
 from specd.workers.model.config import ModelConfig
 from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
+from specd.workers.model.null_model import load_null_model
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
 from specd.workers.runner.graph_runner import default_sizes
 from specd.workers.runner.logits_processors import LogitsProcessors
@@ -193,13 +194,7 @@ def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -
     """Tokenizer, target and draft; a speculative spec's widest rung checked against the
     context length before the draft loads."""
     tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.path)
-    model, config = load_model(
-        spec.model.path,
-        dtype=spec.model.dtype.value,
-        device=str(device),
-        dummy=knobs.dummy_weights,
-        fused_elementwise=not knobs.eager_elementwise,
-    )
+    model, config = load_target(spec, device, knobs, tokenizer)
     context_length = spec.model.context_length or config.max_position_embeddings
     eos = frozenset(eos_token_ids(tokenizer, config))
     defaults = sampling_defaults(spec, config)
@@ -232,6 +227,27 @@ def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -
         spec_policy=spec_policy,
         draft_head=draft_head,
     )
+
+
+def load_target(
+    spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs, tokenizer: Any
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """The checkpoint's model, or with ``knobs.null_model`` a `NullCausalLM` from its
+    config.json alone (plain decoding only: a draft would read hidden states it has not)."""
+    if not knobs.null_model:
+        return load_model(
+            spec.model.path,
+            dtype=spec.model.dtype.value,
+            device=str(device),
+            dummy=knobs.dummy_weights,
+            fused_elementwise=not knobs.eager_elementwise,
+        )
+    if spec.draft is not None:
+        raise ConfigError(
+            "BenchKnobs.null_model (SPECD_BENCH_KNOBS) serves plain decoding only: the null "
+            "model has no hidden states for spec.draft to read; drop spec.draft"
+        )
+    return load_null_model(spec.model.path, spec.model.dtype.value, device, tokenizer)
 
 
 def build_memory(spec: DeploymentSpec, models: Models, device: torch.device) -> KVMemory:

@@ -59,10 +59,12 @@ class OutputProcessor:
         metrics: EngineMetrics,
         tokenizer: object,
         finish: Callable[[Req, FinishReason], None],
+        stream_interval: int = 1,
     ):
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.finish = finish
+        self.stream_interval = stream_interval  # spec.scheduler.streamInterval
         self.streams: dict[str, RequestStream] = {}
         # deltas of this loop pass, per consumer loop (``send``, ``flush``)
         self._outbox: dict[asyncio.AbstractEventLoop, Deliveries] = {}
@@ -82,7 +84,7 @@ class OutputProcessor:
     def emit(self, req: Req) -> None:
         """Send ``req``'s new tokens and text; finish it on a stop string."""
         stream = self.streams.get(req.rid)
-        if stream is None:
+        if stream is None or not self._due(req, stream):
             return
         now = time.monotonic()
         try:
@@ -90,6 +92,8 @@ class OutputProcessor:
             if stream.detok.stopped and not req.finished:
                 self.finish(req, FinishReason.STOP)
                 text += stream.detok.feed(req.fill_ids, final=True)
+            elif stream.detok.stopped and req.finish_reason is FinishReason.LENGTH:
+                req.finish_reason = FinishReason.STOP  # the stop string came first (vLLM's order)
         except Exception as err:  # this request's text, not the replica
             if replica_fault(err):
                 raise
@@ -116,6 +120,19 @@ class OutputProcessor:
             delta = self._finish_delta(req, delta, now)
             del self.streams[req.rid]
         self.send(stream, delta)
+
+    def _due(self, req: Req, stream: RequestStream) -> bool:
+        """Whether ``req`` sends a delta now: its first (time to first token), its last,
+        and between them once ``stream_interval`` tokens are waiting.  A request with
+        stop strings sends every step: its text is what ends it, so it is read as it
+        comes (held back, a stop would be found steps late, after the request went on)."""
+        waiting = len(req.output_ids) - stream.sent_tokens
+        return (
+            req.finished
+            or stream.sent_tokens == 0
+            or waiting >= self.stream_interval
+            or bool(req.params.stop)
+        )
 
     def send(self, stream: RequestStream, delta: GenerateDelta) -> None:
         """Queue ``delta`` for the stream's consumer (``flush`` hands it over)."""

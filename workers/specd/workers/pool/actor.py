@@ -27,6 +27,7 @@ from typing import Any
 
 import ray
 
+from specd.workers.bench_knobs import BenchKnobs, BenchKnobsError
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.contracts import ReplicaInfo, ReplicaStatus
 from specd.workers.engine.engine import Engine
@@ -93,9 +94,9 @@ class EngineActor:
         self._load_error: str | None = None
         self._outboxes: dict[str, DeltaOutbox] = {}  # by channel: one per gateway
         try:
-            self._engine = Engine(spec, replica=replica)
+            self._engine = Engine(spec, replica=replica, knobs=BenchKnobs.from_env())
             self._engine.start()
-        except (ConfigError, ModelLoadError) as err:  # reported by `info`, typed
+        except (ConfigError, ModelLoadError, BenchKnobsError) as err:  # reported by `info`, typed
             self._load_error = str(err)
 
     async def deltas(self, channel: str) -> AsyncIterator[DeltaBatch]:
