@@ -306,7 +306,8 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int, args, ta
 
     async def all_():
         runs = (_one(engine, f"{tag}-{i}", p, new_tokens) for i, p in enumerate(prompts))
-        return await asyncio.wait_for(asyncio.gather(*runs), args.run_timeout)
+        async with asyncio.timeout(args.run_timeout):
+            return await asyncio.gather(*runs)
 
     sync(args.device)
     t0 = time.perf_counter()

@@ -49,7 +49,8 @@ async def test_gateway_follows_its_config_file(tmp_path):
     assert len(gateway.pool.updates) == 1 and not follow.done()
     doc["spec"]["model"]["path"] = "/models/other"
     path.write_text(yaml.safe_dump(doc))
-    await asyncio.wait_for(follow, 5)
+    async with asyncio.timeout(5):
+        await follow
     assert gateway.stopped and len(gateway.pool.updates) == 1
 
 

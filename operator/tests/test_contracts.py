@@ -16,7 +16,7 @@ from specd.operator.kube import KubeClient
 from specd.operator.reconcile import OperatorContext, write_status
 from specd.operator.status import Observation
 from specd.workers.config import SpecDecodeDeployment
-from specd.workers.contracts import AdminStatus, ReplicaInfo, field_errors
+from specd.workers.contracts import DELTA_WIRE, AdminStatus, ReplicaInfo, field_errors
 
 from .conftest import NAMESPACE, load_example
 from .gateway_docs import actor, gateway_doc, renamed_field, without_field
@@ -34,6 +34,7 @@ def _real_pool_document() -> AdminStatus:
     replica = Replica("r0", "specd-demo-x-r0", None, h, ReplicaState.READY)
     replica.info = ReplicaInfo(
         replica="r0",
+        delta_wire=DELTA_WIRE,
         config_hash=h,
         model=spec.served_model_name,
         context_length=4096,

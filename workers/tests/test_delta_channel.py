@@ -1,14 +1,19 @@
 """The gateway's end of a delta channel, without Ray: a request's `PendingStream` merges
 what waited for a consumer that fell behind, keeps errors apart, and cuts off a stream
-whose backlog is full.  (The channel over Ray: test_gateway.py, test_slow_readers.py.)"""
+whose backlog is full; a `DeltaChannel` whose actor is a stand-in on a real socket
+delivers its deltas and fails its requests, never hangs, however the channel ends.
+(The channel over Ray: test_gateway.py, test_slow_readers.py, test_replica_failures.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from ray.exceptions import RayError, RaySystemError
 
-from specd.workers.pool.delta_channel import SLOW_READER_CODE, PendingStream
+from specd.workers.pool.delta_channel import SLOW_READER_CODE, DeltaChannel, PendingStream
+from specd.workers.pool.delta_outbox import DeltaOutbox
+from specd.workers.pool.delta_socket import DeltaListener, send_batches
 from specd.workers.pool.replica import ReplicaError
 from specd.workers.types import FinishReason, GenerateDelta, TokenLogprob, Usage
 
@@ -100,3 +105,95 @@ def test_a_consumer_waits_for_the_next_delta():
         return await pending.next()
 
     assert asyncio.run(later()).token_ids == (7,)
+
+
+# -- a DeltaChannel over a real socket, its actor a stand-in ------------------------------
+
+
+class _Actor:
+    """Stands in for the engine actor's ``deltas`` call: ``how`` is what it does with
+    the address it is handed; the call's result (or failure) is what Ray would report."""
+
+    def __init__(self, how):
+        self.how = how
+        self.deltas = self
+        self.outbox = DeltaOutbox()
+
+    def remote(self, channel, address):
+        return asyncio.ensure_future(self.how(address, self.outbox))
+
+
+@pytest.fixture()
+async def listener():
+    listener = DeltaListener()
+    yield listener
+    listener.close()
+
+
+def _channel(actor: _Actor, listener: DeltaListener) -> tuple[DeltaChannel, list[RayError]]:
+    errors: list[RayError] = []
+
+    def on_error(err: RayError) -> ReplicaError:
+        errors.append(err)
+        return ReplicaError("r0", f"replica r0 failed: {err}", lost=True)
+
+    channel = DeltaChannel(
+        "r0", actor, "c", listener, on_error, lambda _: None, lambda: None, 2.0
+    )
+    return channel, errors
+
+
+async def test_a_channel_delivers_each_requests_deltas_to_it(listener):
+    actor = _Actor(send_batches)
+    channel, _ = _channel(actor, listener)
+    a, b = channel.register("a", 8), channel.register("b", 8)
+    actor.outbox.put(GenerateDelta(rid="a", token_ids=(1,)))
+    actor.outbox.put(GenerateDelta(rid="b", token_ids=(2,), finished=True))
+    async with asyncio.timeout(5):
+        assert (await a.next()).token_ids == (1,)
+        assert (await b.next()).finished
+    channel._reader.cancel()  # the gateway goes: its socket closes, the actor's sender ends
+    await asyncio.wait({channel._reader})
+
+
+async def test_an_actor_that_cannot_connect_fails_the_requests_with_rays_reason(listener):
+    async def refused(address, outbox):
+        raise RaySystemError("connection refused")
+
+    channel, errors = _channel(_Actor(refused), listener)
+    pending = channel.register("a", 8)
+    async with asyncio.timeout(5):
+        with pytest.raises(ReplicaError, match="connection refused"):
+            await pending.next()
+    assert len(errors) == 1
+
+
+async def test_an_actor_that_dies_mid_stream_fails_the_requests_once_ray_says_so(listener):
+    async def dies(address, outbox):
+        _, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(address.secret.encode())
+        await asyncio.sleep(0.05)
+        writer.close()  # the process went: its socket closes...
+        await asyncio.sleep(0.2)
+        raise RaySystemError("the actor died")  # ...and Ray reports it a little later
+
+    channel, errors = _channel(_Actor(dies), listener)
+    pending = channel.register("a", 8)
+    async with asyncio.timeout(5):
+        with pytest.raises(ReplicaError, match="the actor died") as failed:
+            await pending.next()
+    assert failed.value.lost and len(errors) == 1
+
+
+async def test_a_channel_that_ends_without_a_ray_error_still_fails_its_requests(listener):
+    async def leaves(address, outbox):
+        _, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(address.secret.encode())
+        writer.close()
+
+    channel, errors = _channel(_Actor(leaves), listener)
+    pending = channel.register("a", 8)
+    async with asyncio.timeout(5):
+        with pytest.raises(ReplicaError, match="delta channel ended") as failed:
+            await pending.next()
+    assert not failed.value.lost and errors == []

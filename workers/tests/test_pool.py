@@ -1,14 +1,18 @@
 """The pool controller's reconcile plan (`pool.plan_reconcile`) as tables, a
-simulated rolling update, and the count it keeps with autoscaling.  Pure: no Ray
-cluster, no HTTP."""
+simulated rolling update, the count it keeps with autoscaling, and its monitor loop's
+end.  Pure: no Ray cluster, no HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
+from pydantic import ValidationError
 
+from specd.devtools.status_docs import replica_info, replica_status
 from specd.workers.config import RoutingSpec, spec_for_model
+from specd.workers.contracts import DELTA_WIRE, ReplicaInfo
 from specd.workers.pool.controller import PoolController
 from specd.workers.pool.plan import Plan, plan_reconcile
 from specd.workers.pool.replica import Replica, ReplicaState
@@ -141,3 +145,62 @@ def test_the_pool_feeds_the_autoscaler_its_open_streams():
     assert event.detail.startswith("1 -> 4 replicas: 9.0 ongoing requests (target 2")
     status = pool.status()
     assert status.desired_replicas == 4 and status.autoscaling.proposal == 4
+
+
+# -- the monitor loop ends when it is told to ----------------------------------------------
+
+
+class _AnsweredByTheTest:
+    """An actor handle whose ``status`` probe the test answers (``probes`` holds each
+    probe's future as the monitor starts awaiting it)."""
+
+    def __init__(self) -> None:
+        self.probes: asyncio.Queue[asyncio.Future] = asyncio.Queue()
+        self.status = self
+
+    def remote(self) -> asyncio.Future:
+        probe = asyncio.get_running_loop().create_future()
+        self.probes.put_nowait(probe)
+        return probe
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+async def test_the_monitor_ends_when_cancelled_as_it_wakes(turns):
+    """Stopping reconciliation while the monitor loop wakes (a probe answered, a
+    replica changed) still ends it, whichever loop turn the cancel lands in.  (With
+    ``asyncio.wait_for`` around its sleep, Python 3.11 could swallow the cancel: the loop
+    ran on and ``detach`` waited forever, so a replacement gateway never adopted the
+    running actors.)"""
+    pool = PoolController(spec_for_model("/m", replicas=1), health_interval_s=60)
+    handle = _AnsweredByTheTest()
+    pool._replicas["r0"] = Replica("r0", "a-r0", handle, pool.spec.config_hash(), RD)
+    await pool.start()
+    probe = await handle.probes.get()
+    probe.set_result(replica_status("r0", pool.spec.config_hash()))
+    await asyncio.sleep(0.05)  # the monitor sleeps until woken
+    pool._kick()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    monitor = pool._monitor
+    detaching = asyncio.ensure_future(pool.detach())
+    await asyncio.wait({detaching}, timeout=5)
+    try:
+        assert detaching.done() and monitor.done(), "the monitor loop ran on"
+        assert pool._monitor is None and not pool._replicas
+    finally:
+        monitor.cancel()
+        detaching.cancel()
+
+
+def test_an_actor_of_a_specd_with_another_delta_wire_is_not_adoptable():
+    """`adopt_running_actors` validates an actor's ``info()``: one that does not speak
+    this gateway's delta wire (an older specd streamed deltas over Ray) fails it, so it
+    is killed and replaced instead of adopted and failing every request."""
+    answer = replica_info("r0").model_dump()
+    assert ReplicaInfo.model_validate(answer).delta_wire == DELTA_WIRE
+    for other in (
+        {k: v for k, v in answer.items() if k != "delta_wire"},
+        {**answer, "delta_wire": "ray-stream"},
+    ):
+        with pytest.raises(ValidationError, match="delta_wire"):
+            ReplicaInfo.model_validate(other)

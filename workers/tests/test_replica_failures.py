@@ -187,7 +187,12 @@ def test_a_serve_gateway_stops_with_the_failure(ray_cluster, foo_model):
     spec = spec_for_model(foo_model, replicas=1, resources={"cpu": 0.5})
     gw = Gateway(spec, name="foo-serve", port=0, stop_on_failure=True)
     started = time.monotonic()
-    asyncio.run(asyncio.wait_for(gw.run(handle_signals=False), 120))
+
+    async def run_within_two_minutes() -> None:
+        async with asyncio.timeout(120):
+            await gw.run(handle_signals=False)
+
+    asyncio.run(run_within_two_minutes())
     print(f"the gateway stopped {time.monotonic() - started:.1f}s after it started")
     assert gw.failure is not None and UNSUPPORTED in gw.failure.message
     assert [e.event for e in gw.pool.events].count("starting") == 2, list(gw.pool.events)

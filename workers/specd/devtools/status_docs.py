@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specd.workers.contracts import EngineStatus, ReplicaInfo, ReplicaStatus
+from specd.workers.contracts import DELTA_WIRE, EngineStatus, ReplicaInfo, ReplicaStatus
 
 
 def engine_status_fields(replica: str = "r0", config_hash: str = "h", **fields: Any) -> dict:
@@ -68,6 +68,7 @@ def replica_info(replica: str = "r0", config_hash: str = "h", **fields: Any) -> 
     """What a loaded actor's ``info()`` answers (a prefix cache of page 1 unless given)."""
     out: dict[str, Any] = {
         "replica": replica,
+        "delta_wire": DELTA_WIRE,
         "config_hash": config_hash,
         "model": "demo",
         "context_length": 4096,

@@ -34,10 +34,17 @@ class PrefixCacheShape(_Contract):
     capacity_tokens: int  # its KV pool: the most it can keep
 
 
+# How an engine actor sends deltas to its gateway (`pool.delta_socket`): an actor of a
+# specd that speaks another wire does not validate, so a new gateway replaces it instead
+# of adopting it.
+DELTA_WIRE = "socket/1"
+
+
 class ReplicaInfo(_Contract):
     """A loaded replica's static facts (``EngineActor.info``: the readiness signal)."""
 
     replica: str
+    delta_wire: Literal["socket/1"]  # `DELTA_WIRE`
     config_hash: str
     model: str  # the served model name
     context_length: int

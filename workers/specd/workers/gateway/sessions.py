@@ -240,6 +240,8 @@ class GatewaySessions:
         timeout = self.pool.probe_timeout_s
         with contextlib.suppress(TimeoutError):  # `_abort_turn` never raises
             if not previous.over.is_set() and await previous.client.is_disconnected():
-                await asyncio.wait_for(previous.over.wait(), timeout)  # the stream closes
+                async with asyncio.timeout(timeout):
+                    await previous.over.wait()  # the stream closes
             if previous.abort is not None:
-                await asyncio.wait_for(asyncio.shield(previous.abort), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(previous.abort)

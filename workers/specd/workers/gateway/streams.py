@@ -79,8 +79,7 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
         watcher.cancel()
         if not work.done():
             work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+            await asyncio.wait({work})  # a cancel of this caller still propagates
     if work.cancelled():
         raise ClientGone
     return work.result()

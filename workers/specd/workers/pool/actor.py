@@ -1,9 +1,10 @@
 """The engine actor: one `Engine` in a Ray actor process, plus draining.
 
 The pool controller creates these with `create_engine_actor`.  The gateway reads every
-request's deltas from one stream per replica (``deltas(channel)``, `delta_channel`),
-``submit``-s each request to that channel, and ``cancel``-s one it leaves early, which
-closes the engine's generator and so aborts the request inside the engine.
+request's deltas from one connection per replica (``deltas(channel, address)``, which
+connects to the gateway: `delta_channel`, `delta_socket`), ``submit``-s each request to
+that channel, and ``cancel``-s one it leaves early, which closes the engine's generator
+and so aborts the request inside the engine.
 
 Session calls answer a `SessionReply` instead of raising: Ray wraps an actor's
 exceptions, and the gateway needs the engine's status code as is.
@@ -29,10 +30,11 @@ import ray
 
 from specd.workers.bench_knobs import BenchKnobs, BenchKnobsError
 from specd.workers.config import ConfigError, DeploymentSpec
-from specd.workers.contracts import ReplicaInfo, ReplicaStatus
+from specd.workers.contracts import DELTA_WIRE, ReplicaInfo, ReplicaStatus
 from specd.workers.engine.engine import Engine
 from specd.workers.model.config import ModelLoadError
-from specd.workers.pool.delta_channel import DeltaBatch, DeltaOutbox
+from specd.workers.pool.delta_outbox import DeltaOutbox
+from specd.workers.pool.delta_socket import DeltaAddress, send_batches
 from specd.workers.types import (
     FinishReason,
     GenerateDelta,
@@ -99,14 +101,14 @@ class EngineActor:
         except (ConfigError, ModelLoadError, BenchKnobsError) as err:  # reported by `info`, typed
             self._load_error = str(err)
 
-    async def deltas(self, channel: str) -> AsyncIterator[DeltaBatch]:
-        """Channel ``channel``'s deltas, batched (a Ray streaming call the gateway keeps
-        open); when the gateway leaves it, its requests are cancelled."""
+    async def deltas(self, channel: str, address: DeltaAddress) -> None:
+        """Send channel ``channel``'s deltas to the gateway at ``address``, batched, for as
+        long as the gateway keeps the connection (this call stays open meanwhile, so
+        the gateway learns from Ray if this actor dies); when it closes, the channel's
+        requests are cancelled."""
         outbox = self._outbox(channel)
         try:
-            async with contextlib.aclosing(outbox.batches()) as batches:
-                async for batch in batches:
-                    yield batch
+            await send_batches(address, outbox)
         finally:
             outbox.close()
             if self._outboxes.get(channel) is outbox:
@@ -196,6 +198,7 @@ class EngineActor:
             raise ReplicaLoadError(self._load_error)
         return ReplicaInfo(
             replica=self._engine.replica,
+            delta_wire=DELTA_WIRE,
             config_hash=self._spec.config_hash(),
             model=self._spec.served_model_name,
             context_length=self._engine.context_length,

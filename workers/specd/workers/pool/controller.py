@@ -147,8 +147,7 @@ class PoolController:
         """Cancel the monitor loop and every start/retire task."""
         if self._monitor is not None:
             self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+            await asyncio.wait({self._monitor})  # a cancel of this caller still propagates
             self._monitor = None
         self.supervisor.cancel_tasks()
 
@@ -168,6 +167,7 @@ class PoolController:
         released = list(self._replicas)
         for name in released:
             self._forget(name)
+        self.supervisor.stop_listening()
         return released
 
     def update_spec(self, spec: DeploymentSpec) -> None:
@@ -310,8 +310,9 @@ class PoolController:
                 self._reconcile()
             except Exception:  # the loop must outlive any single failure
                 log.exception("pool %s: reconcile failed", self.name)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.health_interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.health_interval_s):
+                    await self._wake.wait()
 
     async def _probe_all(self) -> None:
         live = [
@@ -323,7 +324,8 @@ class PoolController:
 
     async def _probe(self, replica: Replica) -> None:
         try:
-            status = await asyncio.wait_for(replica.handle.status.remote(), self.probe_timeout_s)
+            async with asyncio.timeout(self.probe_timeout_s):
+                status = await replica.handle.status.remote()
         except TimeoutError:
             self.mark_dead(
                 replica,

@@ -1,22 +1,24 @@
-"""The delta channel: one Ray stream per gateway and replica carrying every request's
+"""The delta channel: one connection per gateway and replica carrying every request's
 deltas, instead of one Ray stream (and one Ray object per delta) per request.
 
 Profiled at 64 concurrent streams (docs/benchmarks.md, "Where served time goes"), a Ray
-object per request per step cost the gateway more than all its HTTP work: each one is
-put, announced, fetched and deserialized on its own.  Here the actor's end
-(`DeltaOutbox`) gathers what the engine produced for every request of a channel and
-yields it as one `DeltaBatch` whenever the channel's reader has taken the last one, so a
-batch carries at least an engine step's deltas and more when the gateway lags.  The
-gateway's end (`DeltaChannel`) reads that stream and hands each delta to its request's
-`PendingStream` by request id.
+object per request per step cost the gateway more than all its HTTP work, and even one
+Ray streaming item per engine step costs each side about 1 ms of CPU
+(docs/serving-path.md).  Here the actor's end (`delta_outbox.DeltaOutbox`) gathers what
+the engine produced for every request of a channel into one `DeltaBatch` whenever the
+socket has taken the last one (`delta_socket`), so a batch carries at least an engine
+step's deltas and more when the gateway lags.  The gateway's end (`DeltaChannel`) reads
+the batches and hands each delta to its request's `PendingStream` by request id.  Ray
+still carries the calls: ``deltas`` (open for the channel's life: if it fails, Ray
+says why, e.g. that the actor died), ``submit`` and ``cancel``.
 
 A request is ``submit``-ted to the actor as its own call after its `PendingStream` is
 registered here; leaving early ``cancel``-s it (the actor cancels its task, which
 aborts the request in the engine).  A client that stops reading stops taking deltas
 off its `PendingStream`: once ``max_backlog`` deltas wait there, the stream is cut off
 with an error and its request cancelled, so a stalled reader holds neither gateway
-memory nor KV.  If the channel's stream fails (the actor died), every request on it gets
-the `ReplicaError` and the next request opens a new channel.
+memory nor KV.  If the channel ends (the actor died), every request on it gets the
+`ReplicaError` and the next request opens a new channel.
 """
 
 from __future__ import annotations
@@ -24,73 +26,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import RayError
 
+from specd.workers.pool.delta_outbox import DeltaBatch
+from specd.workers.pool.delta_socket import Connection, DeltaListener, DeltaWireError, read_batches
 from specd.workers.pool.replica import ReplicaError
 from specd.workers.types import FinishReason, GenerateDelta
 
-# Batches the actor may yield ahead of the gateway's reader; while that many wait, the
-# outbox keeps gathering, so a lagging gateway gets fewer, bigger batches.
-BATCHES_IN_FLIGHT = 2
 SLOW_READER_CODE = 408  # the request's error status when its client stopped reading
 _KEPT_APART = (FinishReason.ERROR, FinishReason.ABORT)  # never merged into text before them
-
-
-@dataclass(frozen=True, slots=True)
-class DeltaBatch:
-    """What one message of a channel carries: deltas of any of its requests, each
-    request's in order."""
-
-    deltas: tuple[GenerateDelta, ...]
-
-
-class DeltaOutbox:
-    """The actor's end of one channel: deltas wait here until the stream yields them."""
-
-    def __init__(self) -> None:
-        self._waiting: list[GenerateDelta] = []
-        self._ready = asyncio.Event()
-        self.tasks: dict[str, asyncio.Task] = {}  # rid -> the task forwarding its deltas
-
-    def put(self, delta: GenerateDelta) -> None:
-        self._waiting.append(delta)
-        self._ready.set()
-
-    async def batches(self) -> AsyncIterator[DeltaBatch]:
-        """Everything put since the last batch, as soon as there is something."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            waiting, self._waiting = self._waiting, []
-            yield DeltaBatch(tuple(waiting))
-
-    def forward(self, rid: str, deltas: AsyncIterator[GenerateDelta]) -> None:
-        """Put each of ``deltas`` here, in a task of its own that ``cancel`` ends."""
-
-        async def run() -> None:
-            try:
-                async with contextlib.aclosing(deltas):
-                    async for delta in deltas:
-                        self.put(delta)
-            finally:
-                if self.tasks.get(rid) is task:
-                    del self.tasks[rid]
-
-        task = asyncio.ensure_future(run())
-        self.tasks[rid] = task
-
-    def cancel(self, rid: str) -> None:
-        if (task := self.tasks.get(rid)) is not None:
-            task.cancel()
-
-    def close(self) -> None:
-        """The gateway left: cancel every request it had here."""
-        for task in list(self.tasks.values()):
-            task.cancel()
 
 
 def cut_off_delta(rid: str, backlog: int) -> GenerateDelta:
@@ -162,10 +109,11 @@ class DeltaChannel:
     """The gateway's end of one replica's channel.
 
     ``handle`` is replica ``replica``'s actor; ``channel_id`` names this gateway's channel
-    there; ``on_error(err)`` turns the Ray failure that ended the stream into the
-    `ReplicaError` its requests get (and marks the replica dead when its actor is
-    gone); ``on_closed()`` forgets this channel so the next request opens another;
-    ``on_cut_off()`` counts a stream cut off for a stalled client.
+    there; its actor connects to ``listener``.  ``on_error(err)`` turns the Ray failure
+    that ended the channel into the `ReplicaError` its requests get (and marks the
+    replica dead when its actor is gone); ``on_closed()`` forgets this channel so the
+    next request opens another; ``on_cut_off()`` counts a stream cut off for a stalled
+    client.  Once the connection closes, Ray has ``settle_timeout_s`` to say why.
     """
 
     def __init__(
@@ -173,9 +121,11 @@ class DeltaChannel:
         replica: str,
         handle: Any,
         channel_id: str,
+        listener: DeltaListener,
         on_error: Callable[[RayError], ReplicaError],
         on_closed: Callable[[DeltaChannel], None],
         on_cut_off: Callable[[], None],
+        settle_timeout_s: float,
     ):
         self.replica = replica
         self.handle = handle
@@ -183,11 +133,9 @@ class DeltaChannel:
         self._on_error = on_error
         self._on_closed = on_closed
         self._on_cut_off = on_cut_off
+        self._settle_timeout_s = settle_timeout_s
         self.pending: dict[str, PendingStream] = {}
-        stream = handle.deltas.options(
-            num_returns="streaming", _generator_backpressure_num_objects=BATCHES_IN_FLIGHT
-        ).remote(channel_id)
-        self._reader = asyncio.ensure_future(self._read(stream))  # held: a task is weak-referenced
+        self._reader = asyncio.ensure_future(self._run(listener))  # held: tasks are weak
 
     def register(self, rid: str, max_backlog: int) -> PendingStream:
         pending = PendingStream(rid, max_backlog)
@@ -202,22 +150,50 @@ class DeltaChannel:
         with contextlib.suppress(RayError):
             self.handle.cancel.remote(rid, self.channel_id)
 
-    async def _read(self, stream: Any) -> None:
+    async def _run(self, listener: DeltaListener) -> None:
+        """Open the channel, read it to its end, then fail whatever still waits."""
         failure: ReplicaError | None = None
+        connected: asyncio.Future[Connection] | None = None
+        call: asyncio.Future | None = None
         try:
-            async for ref in stream:
-                batch: DeltaBatch = await ref
-                for delta in batch.deltas:
-                    pending = self.pending.get(delta.rid)
-                    if pending is not None and not pending.put(delta):
-                        self._on_cut_off()
-                        self.cancel(delta.rid)
-        except RayError as err:
-            failure = self._on_error(err)
+            address, connected = await listener.expect()
+            call = asyncio.ensure_future(self.handle.deltas.remote(self.channel_id, address))
+            await asyncio.wait({connected, call}, return_when=asyncio.FIRST_COMPLETED)
+            if connected.done():
+                reader, _ = connected.result()
+                async for batch in read_batches(reader):
+                    self._dispatch(batch)
+            failure = await self._why_ended(call)
+        except DeltaWireError as err:
+            failure = ReplicaError(self.replica, f"replica {self.replica}: {err}", lost=False)
         finally:
+            if connected is not None and connected.done():
+                connected.result()[1].close()
+            elif connected is not None:
+                connected.cancel()  # the actor never connected
+            if call is not None:
+                call.cancel()
             self._on_closed(self)
             failure = failure or ReplicaError(
-                self.replica, f"replica {self.replica}'s delta stream ended", lost=False
+                self.replica, f"replica {self.replica}'s delta channel ended", lost=False
             )
             for pending in self.pending.values():
                 pending.fail(failure)
+
+    def _dispatch(self, batch: DeltaBatch) -> None:
+        for delta in batch.deltas:
+            pending = self.pending.get(delta.rid)
+            if pending is not None and not pending.put(delta):
+                self._on_cut_off()
+                self.cancel(delta.rid)
+
+    async def _why_ended(self, call: asyncio.Future) -> ReplicaError | None:
+        """The channel's call's failure (e.g. its actor died), if Ray reports one in time."""
+        try:
+            async with asyncio.timeout(self._settle_timeout_s):
+                await asyncio.shield(call)
+        except RayError as err:
+            return self._on_error(err)
+        except TimeoutError:
+            return None
+        return None

@@ -71,7 +71,8 @@ class SessionDirectory:
         leaving = self._leaving.get(actor_name)
         if leaving is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(leaving.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await leaving.wait()
 
     async def move_sessions(
         self,
@@ -84,7 +85,8 @@ class SessionDirectory:
         (``kv``), with their history only (``history``) or nowhere (``ended``)."""
         moved: Counter[str] = Counter()
         try:
-            ids = await asyncio.wait_for(source.handle.idle_session_ids.remote(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                ids = await source.handle.idle_session_ids.remote()
             for sid in ids:
                 outcome, _ = await self._move_one(source, sid, pick, timeout_s)
                 moved["ended" if outcome == "stayed" else outcome] += 1  # it leaves with source
@@ -110,9 +112,8 @@ class SessionDirectory:
             tried.add(target.name)
             snapshot = snapshot or source.handle.export_session.remote(sid)
             try:
-                reply = await asyncio.wait_for(
-                    target.handle.import_session.remote(snapshot), timeout_s
-                )
+                async with asyncio.timeout(timeout_s):
+                    reply = await target.handle.import_session.remote(snapshot)
             except (TimeoutError, RayError) as err:
                 log.warning("session %s did not move to %s: %s", sid, target.name, err)
                 continue
@@ -154,7 +155,8 @@ class SessionDirectory:
         async def holds(replica: Replica) -> bool:
             try:
                 ref = replica.handle.has_session.remote(engine_sid)
-                return bool(await asyncio.wait_for(ref, timeout_s))
+                async with asyncio.timeout(timeout_s):
+                    return bool(await ref)
             except (TimeoutError, RayError):
                 return False
 

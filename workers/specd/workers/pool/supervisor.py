@@ -35,6 +35,7 @@ from specd.workers.config import DeploymentSpec
 from specd.workers.contracts import PoolEvent, ReplicaInfo, ReplicaStatus
 from specd.workers.pool.actor import ReplicaLoadError
 from specd.workers.pool.delta_channel import DeltaChannel
+from specd.workers.pool.delta_socket import DeltaListener
 from specd.workers.pool.plan import StartBackoff
 from specd.workers.pool.replica import (
     DeathReason,
@@ -84,6 +85,7 @@ class ReplicaSupervisor:
         self._token = uuid.uuid4().hex[:6]  # keeps actor names unique across gateways
         self._tasks: set[asyncio.Task] = set()
         self._channels: dict[str, DeltaChannel] = {}  # by replica name
+        self._listener = DeltaListener()  # where the actors connect their channels
         self.streams_cut_off = 0  # streams whose client stopped reading (`DeltaChannel`)
         self.backoff = StartBackoff()
         self.deaths: Counter[DeathReason] = Counter()
@@ -101,12 +103,10 @@ class ReplicaSupervisor:
             try:
                 handle = ray.get_actor(ray_name)
                 # validated: an actor of another specd version may answer other fields
-                info = ReplicaInfo.model_validate(
-                    await asyncio.wait_for(handle.info.remote(), self.probe_timeout_s)
-                )
-                load = ReplicaStatus.model_validate(
-                    await asyncio.wait_for(handle.status.remote(), self.probe_timeout_s)
-                )
+                async with asyncio.timeout(self.probe_timeout_s):
+                    info = ReplicaInfo.model_validate(await handle.info.remote())
+                async with asyncio.timeout(self.probe_timeout_s):
+                    load = ReplicaStatus.model_validate(await handle.status.remote())
             except (TimeoutError, RayError, ValueError) as err:  # ValidationError too
                 self.event("-", "not adopted", f"actor {ray_name}: {describe_error(err)}")
                 with contextlib.suppress(Exception):
@@ -136,12 +136,10 @@ class ReplicaSupervisor:
 
     async def wait_started(self, replica: Replica) -> None:
         try:
-            replica.info = await asyncio.wait_for(
-                replica.handle.info.remote(), self.start_timeout_s
-            )
-            replica.load = await asyncio.wait_for(
-                replica.handle.status.remote(), self.probe_timeout_s
-            )
+            async with asyncio.timeout(self.start_timeout_s):
+                replica.info = await replica.handle.info.remote()
+            async with asyncio.timeout(self.probe_timeout_s):
+                replica.load = await replica.handle.status.remote()
         except ReplicaLoadError as err:
             self._start_failed(replica, err.message, load_error=True)
             return
@@ -205,7 +203,8 @@ class ReplicaSupervisor:
         does not answer within the probe timeout."""
         try:
             ref = getattr(replica.handle, method).remote(*args)
-            return await asyncio.wait_for(ref, self.probe_timeout_s)
+            async with asyncio.timeout(self.probe_timeout_s):
+                return await ref
         except TimeoutError as err:
             raise ReplicaError(
                 replica.name, f"replica {replica.name} did not answer {method}", lost=False
@@ -250,9 +249,11 @@ class ReplicaSupervisor:
                 replica.name,
                 replica.handle,
                 f"{self._token}-{uuid.uuid4().hex[:8]}",
+                self._listener,
                 on_error=lambda err: self._replica_error(replica, err, "the request"),
                 on_closed=self._forget_channel,
                 on_cut_off=self._count_cut_off,
+                settle_timeout_s=self.probe_timeout_s,
             )
             self._channels[replica.name] = channel
         return channel
@@ -285,7 +286,8 @@ class ReplicaSupervisor:
 
         async def one(r: Replica) -> str | None:
             try:
-                return (await asyncio.wait_for(r.handle.metrics_text.remote(), timeout_s)).decode()
+                async with asyncio.timeout(timeout_s):
+                    return (await r.handle.metrics_text.remote()).decode()
             except (TimeoutError, RayError):
                 return None
 
@@ -294,9 +296,8 @@ class ReplicaSupervisor:
     async def drain(self, replica: Replica, timeout_s: float) -> None:
         """Let ``replica``'s requests in flight finish (``timeout_s`` at most)."""
         try:
-            left = await asyncio.wait_for(
-                replica.handle.drain.remote(timeout_s), timeout_s + self.probe_timeout_s
-            )
+            async with asyncio.timeout(timeout_s + self.probe_timeout_s):
+                left = await replica.handle.drain.remote(timeout_s)
         except (TimeoutError, RayError) as err:
             left = f"unknown ({describe_error(err)})"
         if left:
@@ -305,7 +306,8 @@ class ReplicaSupervisor:
     async def last_status(self, replica: Replica) -> None:
         """A drained replica's final status (its leak checks counted to the end)."""
         with contextlib.suppress(TimeoutError, RayError):
-            status = await asyncio.wait_for(replica.handle.status.remote(), self.probe_timeout_s)
+            async with asyncio.timeout(self.probe_timeout_s):
+                status = await replica.handle.status.remote()
             self._on_status(replica, status)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -313,6 +315,10 @@ class ReplicaSupervisor:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def stop_listening(self) -> None:
+        """Accept no more delta connections (channels open go on)."""
+        self._listener.close()
 
     def cancel_tasks(self) -> None:
         for task in list(self._tasks):

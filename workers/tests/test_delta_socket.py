@@ -1,0 +1,95 @@
+"""The delta channel's wire without Ray (`delta_socket`): batches cross in order, a
+gateway that closes ends the actor's sender, and connections that do not know a
+channel's secret, or break the frame format, are refused.  (The channel over Ray, with
+actors that die: test_gateway.py, test_replica_failures.py, test_slow_readers.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+
+import pytest
+
+from specd.workers.pool.delta_outbox import DeltaOutbox
+from specd.workers.pool.delta_socket import (
+    DeltaListener,
+    DeltaWireError,
+    read_batches,
+    send_batches,
+)
+from specd.workers.types import GenerateDelta
+
+
+def _delta(rid: str, token: int) -> GenerateDelta:
+    return GenerateDelta(rid=rid, token_ids=(token,), text=f"t{token}")
+
+
+async def _next(batches) -> list[tuple[str, tuple[int, ...]]]:
+    async with asyncio.timeout(5):
+        batch = await anext(batches)
+    return [(d.rid, d.token_ids) for d in batch.deltas]
+
+
+async def test_batches_cross_in_order_and_a_closing_gateway_ends_the_sender():
+    listener = DeltaListener()
+    address, connected = await listener.expect()
+    outbox = DeltaOutbox()
+    sender = asyncio.ensure_future(send_batches(address, outbox))
+    async with asyncio.timeout(5):
+        reader, writer = await connected
+    batches = read_batches(reader)
+    outbox.put(_delta("a", 1))
+    assert await _next(batches) == [("a", (1,))]
+    for rid, token in (("a", 2), ("b", 7), ("a", 3)):  # put before the next batch is taken
+        outbox.put(_delta(rid, token))
+    assert await _next(batches) == [("a", (2,)), ("b", (7,)), ("a", (3,))]
+    writer.close()  # the gateway's process went
+    await asyncio.wait({sender}, timeout=5)
+    assert sender.done()
+    listener.close()
+
+
+async def test_a_connection_without_the_channels_secret_is_closed():
+    listener = DeltaListener()
+    address, connected = await listener.expect()
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(b"0" * len(address.secret))  # a guess
+    async with asyncio.timeout(5):
+        assert await reader.read() == b""  # closed by the gateway
+    assert not connected.done()  # the channel still waits for its actor
+    writer.close()
+    listener.close()
+
+
+async def test_a_connection_that_says_nothing_is_closed_after_the_hello_timeout():
+    listener = DeltaListener(hello_timeout_s=0.2)
+    address, connected = await listener.expect()
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    async with asyncio.timeout(5):
+        assert await reader.read() == b""
+    assert not connected.done()
+    writer.close()
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    "frame,complaint",
+    [
+        (struct.pack("!I", (1 << 30) + 1), "bytes"),
+        (struct.pack("!I", 3) + b"xyz", "does not unpickle"),
+        (struct.pack("!I", len(p := pickle.dumps({"not": "a batch"}))) + p, "not DeltaBatch"),
+    ],
+)
+async def test_a_frame_out_of_format_is_a_wire_error(frame, complaint):
+    listener = DeltaListener()
+    address, connected = await listener.expect()
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    writer.write(address.secret.encode() + frame)
+    async with asyncio.timeout(5):
+        their_reader, their_writer = await connected
+        with pytest.raises(DeltaWireError, match=complaint):
+            await anext(read_batches(their_reader))
+    their_writer.close()
+    writer.close()
+    listener.close()
