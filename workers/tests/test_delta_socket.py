@@ -93,3 +93,10 @@ async def test_a_frame_out_of_format_is_a_wire_error(frame, complaint):
     their_writer.close()
     writer.close()
     listener.close()
+
+
+async def test_channels_opened_together_share_one_listening_socket():
+    listener = DeltaListener()
+    first, second = await asyncio.gather(listener.expect(), listener.expect())
+    assert first[0].port == second[0].port and first[0].secret != second[0].secret
+    listener.close()

@@ -52,15 +52,17 @@ class DeltaListener:
     def __init__(self, hello_timeout_s: float = 10.0) -> None:
         self.hello_timeout_s = hello_timeout_s
         self._server: asyncio.Server | None = None
+        self._starting = asyncio.Lock()  # the first channels of a pool open together
         self._host = ""
         self._expected: dict[str, asyncio.Future[Connection]] = {}
 
     async def expect(self) -> tuple[DeltaAddress, asyncio.Future[Connection]]:
         """A new channel's address, and the future of its actor's connection."""
-        if self._server is None:
-            self._host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-            self._server = await asyncio.start_server(self._accept, self._host, 0)
-        port = self._server.sockets[0].getsockname()[1]
+        async with self._starting:
+            if self._server is None:
+                self._host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+                self._server = await asyncio.start_server(self._accept, self._host, 0)
+            port = self._server.sockets[0].getsockname()[1]
         secret = secrets.token_hex(_SECRET_CHARS // 2)
         connected = asyncio.get_running_loop().create_future()
         self._expected[secret] = connected
