@@ -38,13 +38,14 @@ class PrefixCacheShape(_Contract):
 # specd that speaks another wire does not validate, so a new gateway replaces it instead
 # of adopting it.
 DELTA_WIRE = "socket/1"
+DeltaWire = Literal[DELTA_WIRE]  # pydantic refuses any other value
 
 
 class ReplicaInfo(_Contract):
     """A loaded replica's static facts (``EngineActor.info``: the readiness signal)."""
 
     replica: str
-    delta_wire: Literal["socket/1"]  # `DELTA_WIRE`
+    delta_wire: DeltaWire
     config_hash: str
     model: str  # the served model name
     context_length: int

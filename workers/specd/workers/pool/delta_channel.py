@@ -191,9 +191,9 @@ class DeltaChannel:
         """The channel's call's failure (e.g. its actor died), if Ray reports one in time."""
         try:
             async with asyncio.timeout(self._settle_timeout_s):
-                await asyncio.shield(call)
+                await call
         except RayError as err:
             return self._on_error(err)
         except TimeoutError:
-            return None
+            pass
         return None

@@ -94,11 +94,8 @@ async def read_batches(reader: asyncio.StreamReader) -> AsyncIterator[DeltaBatch
     while True:
         try:
             (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        if length > MAX_FRAME_BYTES:
-            raise DeltaWireError(f"a delta frame of {length} bytes (at most {MAX_FRAME_BYTES})")
-        try:
+            if length > MAX_FRAME_BYTES:
+                raise DeltaWireError(f"a delta frame of {length} bytes (at most {MAX_FRAME_BYTES})")
             frame = await reader.readexactly(length)
         except (asyncio.IncompleteReadError, ConnectionError):
             return
