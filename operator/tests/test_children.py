@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from specd.operator import children, naming
@@ -76,6 +77,64 @@ def test_fractional_gpus_round_up_per_pod():
     (group,) = rc["spec"]["workerGroupSpecs"]
     assert group["rayStartParams"]["num-gpus"] == "1"
     assert group["template"]["metadata"]["labels"][naming.COMPONENT_LABEL] == "engine"
+
+
+def test_a_tensor_4_replica_gets_a_4_gpu_worker_pod():
+    """gpus == tensor, so each worker pod holds all four ranks of one replica (one GPU
+    each, one node), with one pod per replica plus the surge pod."""
+    sdd = _sdd(replicas=2, parallelism={"tensor": 4}, resources={"gpus": 4, "cpu": 16})
+    rc = children.build_raycluster(sdd, OWNER, ChildOptions())
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    assert group["rayStartParams"] == {"num-cpus": "16", "num-gpus": "4"}
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "16", "nvidia.com/gpu": "4"}
+    assert group["replicas"] == 3
+    assert children.worker_gpus(rc) == 4
+    assert children.tensor_exceeds_workers(sdd, rc) is None
+
+
+def _workers(*groups):
+    return {"spec": {"workerGroupSpecs": list(groups)}}
+
+
+def _group(num_gpus=None, *limits):
+    params = {} if num_gpus is None else {"num-gpus": num_gpus}
+    containers = [{"resources": {"limits": {"nvidia.com/gpu": n}}} for n in limits]
+    return {"rayStartParams": params, "template": {"spec": {"containers": containers}}}
+
+
+@pytest.mark.parametrize(
+    ("cluster", "gpus"),
+    [
+        pytest.param(_workers(_group("4", "8")), 4, id="num-gpus-wins"),
+        pytest.param(_workers(_group(None, "4")), 4, id="container-limit"),
+        pytest.param(_workers(_group(None, "2", 2)), 4, id="containers-add-up"),
+        pytest.param(_workers(_group("0")), 0, id="cpu-workers"),
+        pytest.param(_workers(_group("2"), _group("8")), 8, id="largest-group"),
+        pytest.param(_workers(_group()), None, id="group-says-nothing"),
+        pytest.param(_workers(_group("many")), None, id="not-a-count"),
+        pytest.param(_workers(), None, id="no-group"),
+        pytest.param({"spec": {}}, None, id="no-worker-groups"),
+    ],
+)
+def test_worker_gpus_reads_num_gpus_else_the_gpu_limit(cluster, gpus):
+    assert children.worker_gpus(cluster) == gpus
+
+
+def test_a_tensor_larger_than_the_worker_pods_is_refused_naming_the_field():
+    four_gpu_workers = {"workerGroupSpecs": [{"groupName": "engine", **_group("4")}]}
+    sdd = _sdd(parallelism={"tensor": 8}, resources={"gpus": 8}, ray={"cluster": four_gpu_workers})
+    rc = children.build_raycluster(sdd, OWNER, ChildOptions())
+    assert children.worker_gpus(rc) == 4
+    assert children.tensor_exceeds_workers(sdd, rc).startswith(
+        "spec.parallelism.tensor 8 exceeds the 4 GPUs of each Ray worker (spec.ray.cluster"
+    )
+    # CPU ranks need no GPU worker
+    cpu = _sdd(parallelism={"tensor": 8}, ray={"cluster": four_gpu_workers})
+    assert (
+        children.tensor_exceeds_workers(cpu, children.build_raycluster(cpu, OWNER, ChildOptions()))
+        is None
+    )
 
 
 def test_names_and_selectors_agree():

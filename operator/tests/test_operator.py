@@ -511,6 +511,80 @@ def test_spec_invalid_in_context_is_degraded_naming_the_field(cluster):
         assert "InvalidSpec" in event_messages(cluster)
 
 
+def _four_gpu_workers() -> dict[str, Any]:
+    """spec.ray.cluster replacing the engine group with 4-GPU pods (KubeRay passes the
+    nvidia.com/gpu limit to ``ray start``)."""
+    limits = {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": "4"}
+    container = {"name": "ray-worker", "image": "specd:test", "resources": {"limits": limits}}
+    group = {
+        "groupName": "engine",
+        "replicas": 2,
+        "rayStartParams": {"num-cpus": "32"},
+        "template": {"spec": {"containers": [container]}},
+    }
+    return {"workerGroupSpecs": [group]}
+
+
+def test_a_tensor_4_sdd_gets_a_4_gpu_worker_pod_per_replica(cluster):
+    """Each worker pod gets a replica's GPUs (resources.gpus == parallelism.tensor), so
+    one pod holds all four ranks of a replica; the engine config carries the tensor size.
+    Moved to tensor 8 on 4-GPU workers, it is Degraded naming the field and the operator
+    rewrites none of its children (the running replicas stay as they are)."""
+    doc = _demo_spec_doc("tp", parallelism={"tensor": 4}, resources={"gpus": 4, "cpu": 32})
+    with operator(cluster):
+        create(cluster, doc)
+        ray = cluster.wait_for(lambda: cluster.get(cluster.rayclusters, "tp-ray"))
+        (workers,) = ray["spec"]["workerGroupSpecs"]
+        assert workers["rayStartParams"] == {"num-cpus": "32", "num-gpus": "4"}
+        assert workers["replicas"] == 3  # one pod per replica, + the surge pod
+        limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "4"
+        config = cluster.get(cluster.configmaps, "tp-config")
+        engine = yaml.safe_load(config["data"]["deployment.yaml"])["spec"]
+        assert engine["parallelism"]["tensor"] == 4 and engine["resources"]["gpus"] == 4
+        bigger = {"parallelism": {"tensor": 8}, "resources": {"gpus": 8}}
+        status, _ = merge(
+            cluster, "tp", {"spec": {**bigger, "ray": {"cluster": _four_gpu_workers()}}}
+        )
+        assert status == 200
+        c = wait_condition(cluster, "tp", "Degraded", "True", "InvalidSpec")
+        assert c["message"].startswith(
+            "spec.parallelism.tensor 8 exceeds the 4 GPUs of each Ray worker (spec.ray.cluster"
+        )
+        assert cluster.get(cluster.configmaps, "tp-config")["data"] == config["data"]
+        assert cluster.get(cluster.rayclusters, "tp-ray")["spec"] == ray["spec"]
+
+
+def test_a_tensor_larger_than_the_worker_pods_is_degraded_before_any_child(cluster):
+    doc = _demo_spec_doc(
+        "tp8",
+        parallelism={"tensor": 8},
+        resources={"gpus": 8, "cpu": 32},
+        ray={"cluster": _four_gpu_workers()},
+    )
+    with operator(cluster):
+        create(cluster, doc)  # admitted: the worker pods' GPUs are beyond the CRD's reach
+        c = wait_condition(cluster, "tp8", "Degraded", "True", "InvalidSpec")
+        assert c["message"].startswith(
+            "spec.parallelism.tensor 8 exceeds the 4 GPUs of each Ray worker (spec.ray.cluster"
+        )
+        assert condition(sdd(cluster, "tp8"), "Ready")["status"] == "False"
+        time.sleep(0.5)
+        assert cluster.get(cluster.rayclusters, "tp8-ray") is None  # nothing created
+        assert cluster.get(cluster.configmaps, "tp8-config") is None
+        assert "spec.parallelism.tensor 8 exceeds" in event_messages(cluster)
+        # the same spec on an existing Ray cluster is not checked: its nodes are not ours
+        external = _demo_spec_doc(
+            "tp8-ext",
+            parallelism={"tensor": 8},
+            resources={"gpus": 8},
+            ray={"address": "ray-head.ray-system.svc:6379"},
+        )
+        create(cluster, external)
+        cluster.wait_for(lambda: cluster.get(cluster.deployments, "tp8-ext-gateway"))
+        wait_condition(cluster, "tp8-ext", "Degraded", "False", "AsExpected")
+
+
 def test_replica_that_fails_to_start_is_degraded_with_the_gateway_reason(cluster):
     doc = _demo_spec_doc(replicas=1)
     spec = spec_of(doc)

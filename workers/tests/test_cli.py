@@ -64,6 +64,19 @@ def test_draft_without_speculative_is_refused(tmp_path, capsys):
     assert "spec.draft needs spec.speculative" in capsys.readouterr().err
 
 
+def test_validate_names_a_bad_tensor_size_and_gpus_that_do_not_match_it(tmp_path, capsys):
+    f = tmp_path / "spec.yaml"
+    head = "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
+    f.write_text(head + "spec: {model: {path: m}, parallelism: {tensor: 3}}\n")
+    assert main(["validate", "--schema-only", str(f)]) == EXIT_INVALID
+    assert "spec.parallelism.tensor: Input should be 1, 2, 4 or 8" in capsys.readouterr().err
+    f.write_text(
+        head + "spec: {model: {path: m}, parallelism: {tensor: 4}, resources: {gpus: 1}}\n"
+    )
+    assert main(["validate", "--schema-only", str(f)]) == EXIT_INVALID
+    assert "must be 0 or equal to spec.parallelism.tensor (4)" in capsys.readouterr().err
+
+
 def test_serve_makes_an_admin_token_file_only_its_user_reads(tmp_path):
     """Without SPECD_ADMIN_TOKEN, `specd serve` writes a random admin token to a 0600 file
     (by default under $XDG_STATE_HOME/specd, in a 0700 folder) and reuses it next time;

@@ -18,6 +18,22 @@ def test_defaults():
     spec = parse_deployment(doc()).spec
     assert (spec.replicas, spec.kv_cache.page_size, spec.attention_backend) == (1, 1, "auto")
     assert spec.served_model_name == "m" and spec.draft is None
+    assert (spec.parallelism.tensor, spec.parallelism.collective_timeout_seconds) == (1, 120)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "gpus"),
+    [
+        pytest.param(2, 0, id="cpu-ranks"),
+        pytest.param(4, 4, id="one-gpu-per-rank"),
+        pytest.param(8, 8.0, id="float-gpus"),
+        pytest.param(1, 0.5, id="shared-gpu-at-tensor-1"),
+        pytest.param(1, 1, id="one-gpu"),
+    ],
+)
+def test_gpus_are_zero_or_one_per_rank(tensor, gpus):
+    spec = parse_deployment(doc(parallelism={"tensor": tensor}, resources={"gpus": gpus})).spec
+    assert (spec.parallelism.tensor, spec.resources.gpus) == (tensor, gpus)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +132,33 @@ def test_defaults():
             {"sessions": {"enabled": True, "maxSessions": 0}},
             "spec.sessions.maxSessions: Input should be greater than or equal to 1",
             id="max-sessions",
+        ),
+        pytest.param(
+            {"parallelism": {"tensor": 3}},
+            "spec.parallelism.tensor: Input should be 1, 2, 4 or 8",
+            id="tensor-enum",
+        ),
+        pytest.param(
+            {"parallelism": {"tensor": 4}, "resources": {"gpus": 2}},
+            "spec: Value error, spec.resources.gpus (2) must be 0 or equal to "
+            "spec.parallelism.tensor (4): one GPU per rank (set gpus to 4",
+            id="gpus-not-tensor",
+        ),
+        pytest.param(
+            {"resources": {"gpus": 2}},
+            "spec.resources.gpus (2) must be 0 or equal to spec.parallelism.tensor (1), or "
+            "below 1 to share one GPU",
+            id="gpus-over-tensor-1",
+        ),
+        pytest.param(
+            {"parallelism": {"tensor": 2}, "resources": {"gpus": 0.5}},
+            "spec.resources.gpus (0.5) must be 0 or equal to spec.parallelism.tensor (2)",
+            id="shared-gpu-at-tensor-2",
+        ),
+        pytest.param(
+            {"parallelism": {"collectiveTimeoutSeconds": 0}},
+            "spec.parallelism.collectiveTimeoutSeconds: Input should be greater than 0",
+            id="collective-timeout",
         ),
     ],
 )
@@ -233,6 +276,17 @@ def test_config_hash_ignores_what_only_the_gateway_reads():
     reasoned = doc(reasoning={"parser": "qwen3"})
     assert a.config_hash() == parse_deployment(reasoned).spec.config_hash()
     assert a.config_hash() != parse_deployment(doc(maxRunningRequests=3)).spec.config_hash()
+
+
+def test_config_hash_follows_the_tensor_size():
+    """A replica of another tensor size is another replica: the change rolls them all."""
+    one = parse_deployment(doc(resources={"gpus": 1})).spec
+    four = parse_deployment(doc(parallelism={"tensor": 4}, resources={"gpus": 4})).spec
+    cpu_two = parse_deployment(doc(parallelism={"tensor": 2})).spec
+    timeout = parse_deployment(doc(parallelism={"collectiveTimeoutSeconds": 30})).spec
+    hashes = {s.config_hash() for s in (one, four, cpu_two, timeout, parse_deployment(doc()).spec)}
+    assert len(hashes) == 5
+    assert "parallelism" in four.model_dump(by_alias=True)  # in the engine config too
 
 
 @pytest.mark.parametrize(

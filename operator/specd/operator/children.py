@@ -38,6 +38,7 @@ from specd.workers.config import (
 
 GATEWAY_GRACE_S = 45  # pod termination grace: the gateway's 30 s request drain + margin
 WORKER_IDLE_TIMEOUT_S = 60  # autoscaled Ray workers with no actor leave after this
+GPU = "nvidia.com/gpu"  # the extended resource a worker pod's GPUs are limits of
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,9 @@ def build_raycluster(
 ) -> dict[str, Any]:
     """A KubeRay RayCluster: a head that runs no actors and one worker pod per replica.
 
-    Each worker pod gets ``ceil(resources.gpus)`` GPUs and the replica's CPU/memory.
+    Each worker pod gets ``ceil(resources.gpus)`` GPUs and the replica's CPU/memory;
+    ``resources.gpus`` equals ``parallelism.tensor`` on GPUs (`DeploymentSpec`'s rule),
+    so one pod holds all of a replica's ranks (one GPU each, one node).
     The group holds ``replicas + 1`` pods: the pool rolls a config change with one
     surge actor, which must find a free GPU.  With ``spec.autoscaling`` the Ray
     autoscaler sizes the group instead (KubeRay's in-tree autoscaling): pods start for
@@ -164,7 +167,7 @@ def build_raycluster(
     if res.memory:
         limits["memory"] = res.memory
     if gpus:
-        limits["nvidia.com/gpu"] = str(gpus)
+        limits[GPU] = str(gpus)
     workers = spec.replicas + 1 if spec.replicas else 0
     fewest, most = 0, max(workers, 1)
     if spec.autoscaling is not None:
@@ -231,6 +234,49 @@ def build_raycluster(
     if spec.ray.cluster:
         cluster["spec"] = deep_merge(cluster["spec"], spec.ray.cluster)
     return cluster
+
+
+def _count(value: Any) -> int | None:
+    """A GPU count as rayStartParams or a resource quantity writes it ("4", 4)."""
+    try:
+        return int(float(str(value)))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _group_gpus(group: dict[str, Any]) -> int | None:
+    """One worker group's GPUs per pod: ``rayStartParams.num-gpus``, else the
+    containers' ``nvidia.com/gpu`` limits (what KubeRay passes to ``ray start``)."""
+    param = (group.get("rayStartParams") or {}).get("num-gpus")
+    if param is not None:
+        return _count(param)
+    containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or []
+    limits = [((c.get("resources") or {}).get("limits") or {}).get(GPU) for c in containers]
+    counts = [n for limit in limits if limit is not None and (n := _count(limit)) is not None]
+    return sum(counts) if counts else None
+
+
+def worker_gpus(cluster: dict[str, Any]) -> int | None:
+    """GPUs of each Ray worker pod of a RayCluster (``spec.ray.cluster`` merged in):
+    the largest over its worker groups, or None when no group says."""
+    groups = cluster.get("spec", {}).get("workerGroupSpecs") or []
+    counts = [n for g in groups if (n := _group_gpus(g)) is not None]
+    return max(counts) if counts else None
+
+
+def tensor_exceeds_workers(sdd: SpecDecodeDeployment, cluster: dict[str, Any]) -> str | None:
+    """Why ``cluster``'s worker pods cannot hold one replica's ranks (all on one node,
+    one GPU each), or None.  CPU specs (``resources.gpus`` 0) need no GPU."""
+    tensor = sdd.spec.parallelism.tensor
+    gpus = worker_gpus(cluster)
+    if sdd.spec.resources.gpus == 0 or gpus is None or gpus >= tensor:
+        return None
+    return (
+        f"spec.parallelism.tensor {tensor} exceeds the {gpus} GPUs of each Ray worker "
+        "(spec.ray.cluster workerGroupSpecs: num-gpus or nvidia.com/gpu): a replica's "
+        f"ranks must fit on one worker pod; give the workers {tensor} GPUs, or lower "
+        "spec.parallelism.tensor"
+    )
 
 
 def autoscaled_workers(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:

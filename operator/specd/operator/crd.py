@@ -52,6 +52,16 @@ CEL_RULES: tuple[CelRule, ...] = (
         "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
         "add `speculative: {}` for the defaults",
     ),
+    # gpus is a CEL double, tensor an int: double() on both sides (Kubernetes types a
+    # `number` field double; a JSON integer there is an int to cel-python)
+    CelRule(
+        (),
+        "double(self.resources.gpus) == 0.0"
+        " || double(self.resources.gpus) == double(self.parallelism.tensor)"
+        " || (self.parallelism.tensor == 1 && double(self.resources.gpus) < 1.0)",
+        "spec.resources.gpus must be 0 or equal to spec.parallelism.tensor "
+        "(or below 1 to share one GPU at tensor 1): one GPU per rank",
+    ),
     CelRule(
         ("speculative",),
         "self.topk != 1 || self.numDraftTokens == self.numSteps + 1",

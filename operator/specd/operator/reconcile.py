@@ -2,6 +2,7 @@
 
     parse spec (pydantic only: what an engine refuses when it loads, such as an
     attention backend that cannot serve the layout, the gateway reports)
+      -> [managed Ray: a replica's ranks fit one worker pod?  else InvalidSpec]
       -> ensure ConfigMap -> ensure admin token Secret (created once, never patched)
       -> [managed Ray: KubeRay served? -> ensure RayCluster]
       -> ensure gateway Deployment -> ensure Service -> [ensure ServiceMonitor]
@@ -167,6 +168,11 @@ async def ensure_children(
     sdd, invalid = parse_sdd(body)
     if sdd is None:
         return Observation(generation, None, invalid=invalid), []
+    cluster = None  # the RayCluster this SDD owns (None: spec.ray.address's cluster)
+    if sdd.spec.ray.address is None:
+        cluster = children.build_raycluster(sdd, owner, ctx.options)
+        if (invalid := children.tensor_exceeds_workers(sdd, cluster)) is not None:
+            return Observation(generation, None, invalid=invalid), []
     client = ctx.client
     assert client is not None, "the login handler sets the client"
     writes: list[tuple[str, str, str]] = []
@@ -180,10 +186,10 @@ async def ensure_children(
     await step(children.build_configmap(sdd, owner))
     if await ensure_admin_secret(client, owner) == "created":  # before the pod mounts it
         writes.append(("Secret", naming.admin_secret_name(owner.name), "created"))
-    if sdd.spec.ray.address is None:
+    if cluster is not None:
         if not await client.served("ray.io", "v1", "rayclusters"):
             return Observation(generation, sdd, kuberay_missing=True, selector=selector), writes
-        await step(children.build_raycluster(sdd, owner, ctx.options), children.autoscaled_workers)
+        await step(cluster, children.autoscaled_workers)
     await step(children.build_gateway_deployment(sdd, owner, ctx.options))
     await step(children.build_service(owner))
     if sdd.spec.metrics.service_monitor and await client.served(

@@ -70,7 +70,9 @@ _NOTES: dict[tuple[type[BaseModel], str], str] = {
     (config.CandidateRung, "num_draft_tokens"): "Default: steps + 1 for a chain, else "
     "min(`speculative.numDraftTokens`, topk * steps + 1)",
     (config.KVCacheSpec, "page_size"): "Tokens per KV page",
-    (config.ResourcesSpec, "gpus"): "GPUs per actor (Ray `num_gpus`; worker pods get the ceiling)",
+    (config.ResourcesSpec, "gpus"): "GPUs per replica (Ray `num_gpus`; worker pods get the "
+    "ceiling): 0 on CPU, else `parallelism.tensor` (one per rank), or below 1 at tensor 1 "
+    "to share a GPU",
     (config.ResourcesSpec, "cpu"): "CPUs per actor (Ray `num_cpus`)",
     (config.ResourcesSpec, "memory"): "Memory limit of a Ray worker pod (a Kubernetes quantity)",
     (config.RaySpec, "address"): "An existing Ray cluster (the operator creates no "

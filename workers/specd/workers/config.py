@@ -292,6 +292,24 @@ class ResourcesSpec(SpecModel):
     memory: str | None = None
 
 
+class ParallelismSpec(SpecModel):
+    """How one replica spreads over devices.  Part of the config hash: a change rolls
+    the replicas."""
+
+    tensor: Literal[1, 2, 4, 8] = Field(
+        1,
+        description="Tensor-parallel size: ranks (one Ray actor each) per replica, one GPU "
+        "per rank, all of a replica's ranks on one node; `resources.gpus` is this on GPUs "
+        "(0 on CPU)",
+    )
+    collective_timeout_seconds: float = Field(
+        120,
+        gt=0,
+        description="How long a collective between a replica's ranks may wait; past it "
+        "the replica is reported failed (and replaced), never left hanging",
+    )
+
+
 class RaySpec(SpecModel):
     address: str | None = None
     cluster: dict[str, Any] | None = Field(None, description="RayCluster template overrides")
@@ -384,6 +402,10 @@ class DeploymentSpec(SpecModel):
     cuda_graph: CudaGraphSpec = Field(default_factory=CudaGraphSpec)
     replicas: int = Field(1, ge=0, le=1024)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec,
+        description="Tensor parallelism: one replica over several GPUs of one node",
+    )
     max_running_requests: int = Field(64, ge=1, le=4096)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
@@ -414,6 +436,20 @@ class DeploymentSpec(SpecModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _gpus_match_tensor(self) -> DeploymentSpec:
+        """One GPU per rank: ``resources.gpus`` (per replica) is 0 (CPU) or the tensor
+        size; at tensor 1 a share of one GPU (below 1) packs replicas onto a GPU."""
+        gpus, tensor = self.resources.gpus, self.parallelism.tensor
+        if gpus == 0 or gpus == tensor or (tensor == 1 and gpus < 1):
+            return self
+        share = ", or below 1 to share one GPU" if tensor == 1 else ""
+        raise ValueError(
+            f"spec.resources.gpus ({gpus:g}) must be 0 or equal to spec.parallelism.tensor "
+            f"({tensor}){share}: one GPU per rank (set gpus to {tensor}, or tensor to the "
+            "GPUs one replica spans)"
+        )
+
     @property
     def speculating(self) -> bool:
         return self.speculative is not None
@@ -430,11 +466,14 @@ class DeploymentSpec(SpecModel):
         return self.model.name or Path(self.model.path).name
 
     def config_hash(self) -> str:
-        """Hash of everything an engine replica is built from (not `replicas`, not
-        the gateway's `routing`, `autoscaling`, `toolCalls`, `auth`, `gateway` and
-        `reasoning`)."""
+        """Hash of everything an engine replica is built from, `parallelism` included (not
+        `replicas`, not the gateway's `routing`, `autoscaling`, `toolCalls`, `auth`,
+        `gateway` and `reasoning`)."""
         gateway_only = {"routing", "autoscaling", "tool_calls", "auth", "gateway", "reasoning"}
-        body = self.model_dump(mode="json", by_alias=True, exclude={"replicas", *gateway_only})
+        # the default parallelism is left out, so adding the field rolled no replica
+        unset = {"parallelism"} if self.parallelism == ParallelismSpec() else set()
+        exclude = {"replicas", *gateway_only, *unset}
+        body = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 

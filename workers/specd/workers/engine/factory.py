@@ -47,6 +47,7 @@ from specd.workers.model.config import ModelConfig
 from specd.workers.model.draft_loader import load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.null_model import load_null_model
+from specd.workers.model.parallel import check_served_tensor_size
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
 from specd.workers.runner.graph_runner import default_sizes
 from specd.workers.runner.logits_processors import LogitsProcessors
@@ -234,6 +235,7 @@ def load_target(
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """The checkpoint's model, or with ``knobs.null_model`` a `NullCausalLM` from its
     config.json alone (plain decoding only: a draft would read hidden states it has not)."""
+    check_served_tensor_size(spec.parallelism.tensor)
     if not knobs.null_model:
         return load_model(
             spec.model.path,

@@ -28,6 +28,7 @@ from specd.workers.model.eagle3 import NUM_AUX_LAYERS, Eagle3DraftModel
 from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import check_weights, dummy_weights, resolve_dtype
+from specd.workers.model.parallel import SINGLE_RANK, ShardPlan, TpGroup, TpShape
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +100,19 @@ def load_draft(
     torch_dtype = (
         embed_tokens.weight.dtype if dtype == "auto" else resolve_dtype(dtype, config.model)
     )
-    with torch.device("meta"):
-        if algo is DraftAlgorithm.EAGLE:
-            model = EagleDraftModel(
-                config.model, embed_tokens, target_model.lm_head, config.fc_bias
-            )
-        else:
-            model = Eagle3DraftModel(
-                config.model, config.draft_vocab_size, embed_tokens, config.fc_bias
-            )
+    tp = target_model.tp  # the draft runs on every rank, sharded as the target
+    model = _draft_on_meta(algo, config, target_model, tp)
     if dummy:
-        weights = dummy_weights(model, torch_dtype, device)
+        weights = dummy_weights(model, torch_dtype, device, tp.rank)
     else:
         weights = read_draft_weights(folder, torch_dtype, device)
         _check_format(folder, algo, weights)
         _drop_stored_embedding(folder, weights, target_config)
+        if tp.size > 1:  # a draft is small: read whole, then cut to this rank's shard
+            full = _draft_on_meta(algo, config, target_model, SINGLE_RANK)
+            kv_replicas = TpShape.of(config.model, tp.size, "draft").kv_replicas
+            plan = ShardPlan.between(full, model, tp, kv_replicas)
+            weights = {name: plan.take(name, t) for name, t in weights.items()}
     if algo is DraftAlgorithm.EAGLE3:
         _complete_vocab_map(folder, weights, config, device, identity=dummy)
     check_weights(folder, {name: t.shape for name, t in model.state_dict().items()}, weights)
@@ -131,6 +130,20 @@ def load_draft(
         config.aux_layer_ids,
     )
     return model, config
+
+
+def _draft_on_meta(
+    algo: DraftAlgorithm, config: DraftConfig, target: LlamaForCausalLM, tp: TpGroup
+) -> DraftModel:
+    """The draft built on the meta device, sharing the target's embedding (and EAGLE's
+    head), at tensor size ``tp.size``."""
+    embed_tokens = target.model.embed_tokens
+    with torch.device("meta"):
+        if algo is DraftAlgorithm.EAGLE:
+            return EagleDraftModel(config.model, embed_tokens, target.lm_head, config.fc_bias, tp)
+        return Eagle3DraftModel(
+            config.model, config.draft_vocab_size, embed_tokens, config.fc_bias, tp
+        )
 
 
 def parse_draft_config(

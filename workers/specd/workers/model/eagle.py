@@ -39,14 +39,15 @@ from torch import nn
 from specd.workers.model.config import ModelConfig
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaDecoderLayer
+from specd.workers.model.parallel import SINGLE_RANK, TpGroup, gather_logits
 from specd.workers.model.rope import RotaryEmbedding
 
 
 class EagleDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder layer; layer 0 has no ``input_layernorm`` (``fc`` feeds attention)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TpGroup = SINGLE_RANK):
+        super().__init__(config, layer_id, tp)
         if layer_id == 0:
             self.input_layernorm = nn.Identity()
 
@@ -56,7 +57,9 @@ class EagleDraftModel(nn.Module):
 
     ``embed_tokens`` and ``lm_head`` are the target's modules.  They are kept outside this
     module's tree, so ``state_dict()`` holds only the draft's own weights and moving or
-    pre-packing the draft never copies the target's vocabulary-sized matrices.
+    pre-packing the draft never copies the target's vocabulary-sized matrices.  Under
+    tensor parallelism (``tp``) the decoder layers are sharded as the target's and
+    ``fc`` is replicated.
     """
 
     def __init__(
@@ -65,13 +68,14 @@ class EagleDraftModel(nn.Module):
         embed_tokens: nn.Module,
         lm_head: nn.Module,
         fc_bias: bool = True,
+        tp: TpGroup = SINGLE_RANK,
     ):
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
         self.layers = nn.ModuleList(
-            EagleDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            EagleDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
@@ -105,4 +109,4 @@ class EagleDraftModel(nn.Module):
 
         No norm first: EAGLE applies the target's head to the layer output directly.
         """
-        return self.lm_head(hidden).float()
+        return gather_logits(self.tp, self.lm_head(hidden), self.config.vocab_size)

@@ -36,6 +36,7 @@ from torch import nn
 from specd.workers.model.config import ModelConfig
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaAttention, LlamaMLP, RMSNorm
+from specd.workers.model.parallel import SINGLE_RANK, TpGroup, gather_logits, vocab_shard
 from specd.workers.model.rope import RotaryEmbedding
 
 NUM_AUX_LAYERS = 3  # fc takes low, mid and high target layers
@@ -44,8 +45,8 @@ NUM_AUX_LAYERS = 3  # fc takes low, mid and high target layers
 class Eagle3Attention(LlamaAttention):
     """``LlamaAttention`` whose q/k/v projections read a 2H-wide input."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id)
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TpGroup = SINGLE_RANK):
+        super().__init__(config, layer_id, tp)
         width, bias = 2 * config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(width, self.q_proj.out_features, bias=bias)
         self.k_proj = nn.Linear(width, self.k_proj.out_features, bias=bias)
@@ -55,11 +56,11 @@ class Eagle3Attention(LlamaAttention):
 class Eagle3MidLayer(nn.Module):
     """The single EAGLE-3 decoder layer: attention over [normed embeds, normed hidden]."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TpGroup = SINGLE_RANK):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Eagle3Attention(config, layer_id=0)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = Eagle3Attention(config, 0, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(hidden, eps)  # on the token embeddings
         self.hidden_norm = RMSNorm(hidden, eps)  # on the incoming hidden
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -82,7 +83,9 @@ class Eagle3DraftModel(nn.Module):
     """EAGLE-3 head with its own reduced-vocabulary ``lm_head`` and draft->target id map.
 
     ``embed_tokens`` is the target's module, kept outside this module's tree (not in
-    ``state_dict()``, never copied).
+    ``state_dict()``, never copied).  Under tensor parallelism (``tp``) the mid layer is
+    sharded as the target's layers, ``lm_head`` is vocab parallel over the draft
+    vocabulary, and ``fc`` and the vocab maps are replicated.
     """
 
     def __init__(
@@ -91,14 +94,15 @@ class Eagle3DraftModel(nn.Module):
         draft_vocab_size: int,
         embed_tokens: nn.Module,
         fc_bias: bool = False,
+        tp: TpGroup = SINGLE_RANK,
     ):
         super().__init__()
-        self.config = config
+        self.config, self.tp, self.draft_vocab_size = config, tp, draft_vocab_size
         hidden = config.hidden_size
         self.fc = nn.Linear(NUM_AUX_LAYERS * hidden, hidden, bias=fc_bias)
-        self.midlayer = Eagle3MidLayer(config)
+        self.midlayer = Eagle3MidLayer(config, tp)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(hidden, vocab_shard(draft_vocab_size, tp.size), bias=False)
         # Until a checkpoint's map is loaded: draft id i -> target id i.
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[:draft_vocab_size] = True
@@ -138,7 +142,7 @@ class Eagle3DraftModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] (already normed: forward's second output) -> [M, draft_vocab] float32."""
-        return self.lm_head(hidden).float()
+        return gather_logits(self.tp, self.lm_head(hidden), self.draft_vocab_size)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids (any shape) -> target-vocab ids of the same shape."""

@@ -25,6 +25,13 @@ from torch import nn
 from specd.workers.model.config import ModelConfig
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.moe_block import SparseMoeBlock, feed_forward_name
+from specd.workers.model.parallel import (
+    SINGLE_RANK,
+    TpGroup,
+    TpShape,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 from specd.workers.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -50,11 +57,16 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    """Self-attention over paged KV; under tensor parallelism this rank's heads (q/k/v
+    column parallel, o_proj row parallel and all-reduced)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TpGroup = SINGLE_RANK):
         super().__init__()
+        shape = TpShape.of(config, tp.size)
+        self.tp = tp
         self.layer_id = layer_id  # index of this layer's buffers in the KV pool
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shape.heads
+        self.num_kv_heads = shape.kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         q_size = self.num_heads * self.head_dim
@@ -106,13 +118,19 @@ class LlamaAttention(nn.Module):
         ctx.kv_pool.store(self.layer_id, ctx.out_cache_loc, k, v)
         k_buffer, v_buffer = ctx.kv_pool.layer(self.layer_id)
         out = ctx.backend.forward(q, k_buffer, v_buffer, ctx.attn_plan, scale=self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """SiLU-gated MLP; under tensor parallelism this rank's columns (gate/up column
+    parallel, down row parallel and all-reduced)."""
+
+    def __init__(self, config: ModelConfig, tp: TpGroup = SINGLE_RANK):
         super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.tp = tp
+        hidden, bias = config.hidden_size, config.mlp_bias
+        inter = TpShape.of(config, tp.size).intermediate
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
@@ -123,18 +141,19 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         elif self.fused_silu_and_mul is not None:
-            return self.down_proj(self.fused_silu_and_mul(self.gate_up_proj(x)))
+            return self.tp.all_reduce(self.down_proj(self.fused_silu_and_mul(self.gate_up_proj(x))))
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TpGroup = SINGLE_RANK):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
         # a dense MLP or the experts, under the checkpoint's name (mlp / block_sparse_moe)
-        ffn = SparseMoeBlock(config) if config.is_sparse_layer(layer_id) else LlamaMLP(config)
+        sparse = config.is_sparse_layer(layer_id)
+        ffn = SparseMoeBlock(config, tp) if sparse else LlamaMLP(config, tp)
         self.feed_forward_name = feed_forward_name(config, layer_id)
         setattr(self, self.feed_forward_name, ffn)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -153,11 +172,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TpGroup = SINGLE_RANK):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
@@ -184,13 +203,17 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Target model.  ``forward`` returns final-normed hidden states; ``compute_logits``
-    turns the rows the caller needs (last prompt token, draft tokens) into logits."""
+    turns the rows the caller needs (last prompt token, draft tokens) into logits.
 
-    def __init__(self, config: ModelConfig):
+    ``tp``: this rank's group under tensor parallelism (``parallel.py``); the default,
+    a group of one, is the whole model on one device."""
+
+    def __init__(self, config: ModelConfig, tp: TpGroup = SINGLE_RANK):
         super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config, self.tp = config, tp
+        self.model = LlamaModel(config, tp)
+        vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's (padded) share
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -228,5 +251,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx, capture_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] -> logits [M, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [M, hidden] -> logits [M, vocab] float32 (all ranks' columns)."""
+        return gather_logits(self.tp, self.lm_head(hidden), self.config.vocab_size)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specd.kernels.fp8 import FP8_DTYPE
@@ -33,6 +34,7 @@ from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_c
 from specd.workers.model.fp8_linear import use_fp8_linears
 from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
+from specd.workers.model.parallel import SINGLE_RANK, ShardPlan, TpGroup, TpShape
 from specd.workers.model.quantization import (
     INPUT_SCALE,
     QuantizationConfig,
@@ -121,18 +123,35 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_weights(
-    folder: Path, dtype: torch.dtype, device: str | torch.device
+    folder: Path, dtype: torch.dtype, device: str | torch.device, plan: ShardPlan | None = None
 ) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors by name on ``device`` (shard by shard), cast to ``dtype``
-    except FP8 weights and their scales, which keep their stored dtypes."""
+    """All checkpoint tensors by name on ``device`` (file by file), cast to ``dtype``
+    except FP8 weights and their scales, which keep their stored dtypes.  With a
+    tensor-parallel ``plan``, only this rank's piece of each tensor is read."""
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(folder):
-        for name, tensor in load_file(file, device=str(device)).items():
+        if plan is None:
+            tensors = load_file(file, device=str(device))
+        else:
+            with safe_open(file, "pt", device=str(device)) as f:
+                names = f.keys()  # safe_open is not iterable
+                tensors = {name: plan.take(name, f.get_slice(name)) for name in names}
+        for name, tensor in tensors.items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             as_stored = tensor.dtype == FP8_DTYPE or name.endswith(_KEPT_AS_STORED)
             state[name] = tensor if as_stored else tensor.to(dtype)
     return state
+
+
+def shard_plan(config: ModelConfig, model: LlamaForCausalLM, tp: TpGroup) -> ShardPlan | None:
+    """How this rank cuts the checkpoint into ``model`` (built on meta at ``tp``); None
+    at tensor 1."""
+    if tp.size == 1:
+        return None
+    with torch.device("meta"):
+        full = LlamaForCausalLM(config)
+    return ShardPlan.between(full, model, tp, TpShape.of(config, tp.size).kv_replicas)
 
 
 def dummy_weights(
@@ -252,6 +271,7 @@ def load_model(
     inference_layout: bool = True,
     dummy: bool = False,
     fused_elementwise: bool = True,
+    tp: TpGroup = SINGLE_RANK,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from ``path``/config.json and load its safetensors weights.
 
@@ -263,18 +283,21 @@ def load_model(
     fused and, on CPU, linear weights stored in their fastest layout (``inference_layout.py``).
     ``dummy``: random weights, no weight file read (``dummy_weights``).
     ``fused_elementwise=False`` keeps the eager elementwise ops on CUDA (benchmarks' A/B).
+    ``tp``: this rank's group under tensor parallelism; the rank reads and holds only
+    its shard of each tensor (``parallel.py``).
     """
     folder = Path(path)
     config = load_model_config(folder)
     torch_dtype = resolve_dtype(dtype, config)
+    TpShape.of(config, tp.size)  # the tensor size splits this model
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     if dummy:
         shapes = {name: t.shape for name, t in model.state_dict().items()}
         quantized = expected_quantized_tensors(shapes, config.quantization)
-        weights = dummy_weights(model, torch_dtype, device, quantized=quantized)
+        weights = dummy_weights(model, torch_dtype, device, tp.rank, quantized)
     else:
-        weights = read_weights(folder, torch_dtype, device)
+        weights = read_weights(folder, torch_dtype, device, shard_plan(config, model, tp))
     checked = check_checkpoint(folder, model, weights)
     if config.quantization is not None:
         kept = place_fp8_weights(model, weights, checked, config.quantization, torch_dtype, device)

@@ -28,6 +28,7 @@ from torch import nn
 
 from specd.kernels.moe import moe_torch, route_topk
 from specd.workers.model.config import ModelConfig
+from specd.workers.model.parallel import SINGLE_RANK, TpGroup, TpShape
 
 # (x [N, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [N, k], topk_ids [N, k]) -> [N, H]
 ExpertsFn = Callable[
@@ -93,19 +94,23 @@ class ExpertMLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + ``num_experts`` experts over a flat batch ``[N, H]`` of any ``N``: prefill
-    chunks, decode batches and speculative verify batches go through the same path."""
+    chunks, decode batches and speculative verify batches go through the same path.
+    Under tensor parallelism every rank holds every expert's share of columns (gate/up
+    column parallel, down row parallel) and the block's output is all-reduced; the
+    router is replicated."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TpGroup = SINGLE_RANK):
         super().__init__()
         moe = config.moe
         if moe is None:
             raise ValueError(f"{config.architecture} has no experts")
+        self.tp = tp
+        width = TpShape.of(config, tp.size).moe_intermediate
         self.family = MOE_FAMILIES[config.architecture]
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = TopKRouter(config.hidden_size, moe.num_experts)
         self.experts: nn.ModuleList | None = nn.ModuleList(
-            ExpertMLP(config.hidden_size, moe.intermediate_size, self.family)
-            for _ in range(moe.num_experts)
+            ExpertMLP(config.hidden_size, width, self.family) for _ in range(moe.num_experts)
         )
         self.w13: nn.Parameter | None = None  # [E, 2I, H] once stacked
         self.w2: nn.Parameter | None = None  # [E, H, I] once stacked
@@ -146,7 +151,7 @@ class SparseMoeBlock(nn.Module):
         if self.family.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
         w13, w2 = self.expert_weights()
-        return (self.fused or moe_torch)(x, w13, w2, weights, ids)
+        return self.tp.all_reduce((self.fused or moe_torch)(x, w13, w2, weights, ids))
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}, stacked={self.is_stacked}"

@@ -20,9 +20,10 @@ import torch
 
 from specd.workers.config import ConfigError, DeploymentSpec, DraftSpec
 from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_config
-from specd.workers.model.draft_loader import parse_draft_config
+from specd.workers.model.draft_loader import DraftConfig, parse_draft_config
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import check_checkpoint, resolve_dtype, weight_files
+from specd.workers.model.parallel import FIELD, TpShape, check_served_tensor_size
 from specd.workers.model.quantization import TensorHeader
 from specd.workers.model.tokenizer import load_tokenizer
 
@@ -70,28 +71,34 @@ def check_target(path: str, dtype: str) -> ModelConfig:
     return config
 
 
-def check_draft(draft: DraftSpec, target: ModelConfig) -> None:
-    """The draft's config.json agrees with the target and its weights exist."""
+def check_draft(draft: DraftSpec, target: ModelConfig) -> DraftConfig:
+    """The draft's config.json agrees with the target and its weights exist; returns
+    its config."""
     folder = Path(draft.path)
     config_file = folder / "config.json"
     if not folder.is_dir():
         raise ModelLoadError(f"draft folder {folder} does not exist")
     if not config_file.is_file():
         raise ModelLoadError(f"draft folder {folder} has no config.json")
-    parse_draft_config(json.loads(config_file.read_text()), draft.algorithm, target)
+    config = parse_draft_config(json.loads(config_file.read_text()), draft.algorithm, target)
     if not any((folder / name).is_file() for name in _DRAFT_WEIGHT_FILES):
         raise ModelLoadError(
             f"no weights in {folder}: expected one of {', '.join(_DRAFT_WEIGHT_FILES)}"
         )
+    return config
 
 
 def check_model_folders(spec: DeploymentSpec) -> None:
     """Raise `ConfigError` naming the spec field whose folder would not load."""
     target = _about("spec.model.path", check_target, spec.model.path, spec.model.dtype.value)
+    tensor = spec.parallelism.tensor
+    _about(FIELD, TpShape.of, target, tensor)
     tokenizer_field = "spec.model.tokenizer" if spec.model.tokenizer else "spec.model.path"
     _about(tokenizer_field, load_tokenizer, spec.model.tokenizer or spec.model.path)
     if spec.draft is not None:
-        _about("spec.draft.path", check_draft, spec.draft, target)
+        draft = _about("spec.draft.path", check_draft, spec.draft, target)
+        _about(FIELD, TpShape.of, draft.model, tensor, "draft")
+    _about(FIELD, check_served_tensor_size, tensor)
 
 
 def _about(field: str, check, *args):
