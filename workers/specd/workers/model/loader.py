@@ -289,7 +289,6 @@ def load_model(
     folder = Path(path)
     config = load_model_config(folder)
     torch_dtype = resolve_dtype(dtype, config)
-    TpShape.of(config, tp.size)  # the tensor size splits this model
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     if dummy:
