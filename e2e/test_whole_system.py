@@ -7,8 +7,8 @@ pair, the official ``openai`` client and ``kubectl``.  Stand-ins: the API server
 kmock fake of `specd.operator.testing`) and the two controllers it lacks, played by
 `Kubelet` (runs the gateway container's command with its env, refreshes the mounted
 ConfigMap and admin token Secret, restarts the pod on request, stops the process when
-its Deployment goes) — the same
-things kubelet and the Deployment controller do.
+its Deployment goes or its owner SDD is gone) — the same things kubelet, the Deployment
+controller and the garbage collector do.
 """
 
 from __future__ import annotations
@@ -98,9 +98,20 @@ class Kubelet:
         for name in list(self.procs):
             self._terminate(name)
 
+    def _live_deployments(self) -> dict[str, dict[str, Any]]:
+        """Deployments whose owner still exists: the garbage collector removes one whose
+        owner is gone (a reconcile that was in flight when the SDD was deleted may have
+        written it again after the delete handler removed it)."""
+        owners = {sdd["metadata"]["uid"] for sdd in self.cluster.live(self.cluster.sdd)}
+        return {
+            d["metadata"]["name"]: d
+            for d in self.cluster.live(self.cluster.deployments)
+            if all(ref["uid"] in owners for ref in d["metadata"].get("ownerReferences", []))
+        }
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            live = {d["metadata"]["name"]: d for d in self.cluster.live(self.cluster.deployments)}
+            live = self._live_deployments()
             for name, deployment in live.items():
                 mounted = self._sync_volumes(name, deployment)
                 if name not in self.procs and mounted:

@@ -247,10 +247,12 @@ def test_bad_session_calls(engine):
 
     async def go():
         unknown = await turn(engine, "no-such-session", "b0", [5, 6, 7])
-        slow = asyncio.ensure_future(turn(engine, sid, "b1", [5, 6, 7], max_tokens=60))
-        await asyncio.sleep(0.05)
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        slow = engine.generate(GenerateRequest("b1", (5, 6, 7), params, sid))
+        await anext(slow)  # its first token is out: the turn is in flight for 199 more
         busy = await turn(engine, sid, "b2", [8, 9])
-        await slow
+        async for _ in slow:
+            pass
         engine.close_session(sid)
         closed = await turn(engine, sid, "b3", [8, 9])
         return unknown, busy, closed

@@ -147,15 +147,14 @@ def test_tensor_1_is_the_single_device_model(tiny_models):
     ("tensor", "draft", "message"),
     [
         (8, False, "spec.parallelism.tensor 8 does not divide the model's attention heads"),
-        (2, False, "spec.parallelism.tensor 2: this release loads sharded models but does not"),
         (4, True, "spec.parallelism.tensor 4 does not divide the draft's MLP intermediate size"),
     ],
 )
 def test_validate_names_the_tensor_size_a_model_or_draft_refuses(
     tiny_models, tmp_path, capsys, tensor, draft, message
 ):
-    """`specd validate` reads the folders' config.json: widths that do not split, and
-    (until the engine's rank group lands) any tensor size above 1, name the field."""
+    """`specd validate` reads the folders' config.json: widths that do not split name
+    the field."""
     spec: dict = {"model": {"path": tiny_models("gqa")}, "parallelism": {"tensor": tensor}}
     if draft:  # the target splits 4 ways; a draft MLP of 130 columns does not
         folder = make_tiny_eagle3(tmp_path / "d", tiny_models("gqa"))
@@ -167,3 +166,17 @@ def test_validate_names_the_tensor_size_a_model_or_draft_refuses(
     file.write_text(json.dumps(head | {"metadata": {"name": "tp"}, "spec": spec}))
     assert main(["validate", str(file)]) == EXIT_INVALID
     assert message in capsys.readouterr().err
+
+
+def test_validate_accepts_a_tensor_size_that_splits_model_and_draft(tiny_models, tmp_path, capsys):
+    folder = make_tiny_eagle3(tmp_path / "d", tiny_models("gqa"))
+    spec = {
+        "model": {"path": tiny_models("gqa")},
+        "draft": {"path": str(folder), "algorithm": "EAGLE3"},
+        "speculative": {},
+        "parallelism": {"tensor": 2},
+    }
+    file = tmp_path / "spec.yaml"
+    head = {"apiVersion": "specd.dev/v1alpha1", "kind": "SpecDecodeDeployment"}
+    file.write_text(json.dumps(head | {"metadata": {"name": "tp"}, "spec": spec}))
+    assert main(["validate", str(file)]) == 0, capsys.readouterr().err

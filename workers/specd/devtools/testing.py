@@ -188,11 +188,20 @@ def bounded_kv_cache(kv_cache: dict) -> dict:
 
 def start_engine(model_path, *, device: str = "cpu", **overrides) -> Engine:
     """An engine over ``model_path`` (float32 unless ``model.dtype`` says otherwise), with
-    the spec fields in ``overrides`` (camelCase, as in the YAML)."""
+    the spec fields in ``overrides`` (camelCase, as in the YAML).  At
+    ``parallelism.tensor`` > 1 this process is rank 0 and the other ranks are Ray actors
+    on the Ray already initialized."""
     model = {"dtype": "float32", **overrides.pop("model", {})}
     if device != "cpu":
         overrides["kvCache"] = bounded_kv_cache(overrides.get("kvCache", {}))
-    engine = Engine(spec_for_model(model_path, model=model, **overrides), device=device)
+    spec = spec_for_model(model_path, model=model, **overrides)
+    rendezvous = None
+    if spec.parallelism.tensor > 1:  # this process is rank 0; the others are Ray actors
+        from specd.workers.pool.rank_actor import rendezvous_here, start_ranks
+
+        rendezvous = rendezvous_here(spec)
+        start_ranks(spec, rendezvous)
+    engine = Engine(spec, device=device, rendezvous=rendezvous)
     engine.start()
     return engine
 

@@ -288,7 +288,7 @@ class GatewaySpec(SpecModel):
 
 class ResourcesSpec(SpecModel):
     gpus: float = Field(0, ge=0)
-    cpu: float = Field(1, ge=0)
+    cpu: float = Field(1, ge=0, description="CPUs of each rank's actor (tensor 1: the replica's)")
     memory: str | None = None
 
 

@@ -37,6 +37,7 @@ from specd.workers.engine.leak_checks import LeakChecks
 from specd.workers.engine.metrics import EngineMetrics
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
 from specd.workers.engine.pipeline import StepPipeline
+from specd.workers.engine.rank_group import RankLeader, RankRendezvous
 from specd.workers.engine.validation import validate_request
 from specd.workers.requests.request import Req, RequestStatus
 from specd.workers.runner.structured_output import Grammars
@@ -65,8 +66,11 @@ class Engine:
         replica: str = "0",
         device: str | None = None,
         knobs: BenchKnobs = BenchKnobs(),
+        rendezvous: RankRendezvous | None = None,
     ):
         self.spec = spec
+        self.rendezvous = rendezvous  # rank 0 of a tensor-parallel replica: where ranks meet
+        self.ranks: RankLeader | None = None
         self.knobs = knobs  # benchmark-only, never from the spec
         self.replica = replica
         self.device = torch.device(device or pick_device(spec))
@@ -126,7 +130,9 @@ class Engine:
             knobs=self.knobs,
             metrics=self.metrics,
             compute=self._compute,
+            rendezvous=self.rendezvous,
         )
+        self.ranks = parts.ranks
         models, memory = parts.models, parts.memory
         self.tokenizer, self.model = models.tokenizer, models.model
         self.model_config = models.config
@@ -268,6 +274,13 @@ class Engine:
             {**self._status, "healthy": self.healthy, "last_error": self.last_error}
         )
 
+    def rank_ended(self, why: str) -> None:
+        """Another rank of this replica ended (its actor died or left): the group is
+        broken, and the loop ends at its next turn."""
+        if self.ranks is not None:
+            self.ranks.rank_ended(why)
+        self._inbox.wake()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._inbox.wake()
@@ -281,6 +294,8 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                if self.ranks is not None:
+                    self.ranks.check()  # a broken rank group ends the loop
                 self._drain_inbox()
                 self._expire_sessions()
                 if not self.scheduler.has_work() and not self.pipeline.in_flight:
@@ -301,6 +316,8 @@ class Engine:
             self._abort_all()
             self.outputs.flush()
             self._compute.shutdown()
+            if self.ranks is not None:
+                self.ranks.close()
 
     def step(self) -> None:
         """Schedule, run and account one batch (``StepPipeline.run_step``), then add the

@@ -12,6 +12,7 @@ Runs on the engine's compute thread (`Engine.start`): loading is torch work.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,16 @@ from specd.workers.engine.executors import (
     spec_graph_rungs,
 )
 from specd.workers.engine.metrics import EngineMetrics
+from specd.workers.engine.rank_group import (
+    MirroredModel,
+    MirroredOps,
+    PoolShape,
+    RankFollower,
+    RankLeader,
+    RankRendezvous,
+    join_rank_group,
+)
+from specd.workers.engine.rank_wire import KVLayout
 from specd.workers.engine.session_transfer import SessionTransfer, kv_layout_of, vocabulary_of
 from specd.workers.mem_cache.allocator import PagedTokenAllocator
 from specd.workers.mem_cache.block_keys import EvictedBlocks
@@ -44,10 +55,10 @@ from specd.workers.mem_cache.sizing import (
     row_width,
 )
 from specd.workers.model.config import ModelConfig
-from specd.workers.model.draft_loader import load_draft
+from specd.workers.model.draft_loader import DraftConfig, load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.null_model import load_null_model
-from specd.workers.model.parallel import check_served_tensor_size
+from specd.workers.model.parallel import SINGLE_RANK, TpGroup, TpShape
 from specd.workers.model.tokenizer import eos_token_ids, load_tokenizer
 from specd.workers.runner.graph_runner import default_sizes
 from specd.workers.runner.logits_processors import LogitsProcessors
@@ -129,6 +140,7 @@ class EngineParts:
     sessions: SessionStore
     scheduler: Scheduler
     session_transfer: SessionTransfer
+    ranks: RankLeader | None  # rank 0's end of a tensor-parallel replica's wire
 
 
 def build_engine_parts(
@@ -138,15 +150,48 @@ def build_engine_parts(
     knobs: BenchKnobs,
     metrics: EngineMetrics,
     compute: Compute,
+    rendezvous: RankRendezvous | None = None,
 ) -> EngineParts:
-    """Load and size everything one replica runs (on the compute thread)."""
-    models = load_models(spec, device, knobs)
-    memory = build_memory(spec, models, device)
+    """Load and size everything one replica runs (on the compute thread).  With
+    ``rendezvous`` this is rank 0 of a tensor-parallel replica: it joins the group, loads
+    its shards, and mirrors every collective call to the other ranks."""
+    if rendezvous is None:
+        return build_parts(spec, device, knobs, metrics, compute, SINGLE_RANK, None)
+    if device.type == "cpu":  # each rank has its CPUs (as Ray gives the other ranks)
+        torch.set_num_threads(max(1, int(spec.resources.cpu)))
+    tp, wire = join_rank_group(rendezvous, 0, device)
+    leader = RankLeader(wire, tick_every_s=rendezvous.timeout_s / 4)
+    try:
+        return build_parts(spec, device, knobs, metrics, compute, tp, leader)
+    except BaseException:
+        leader.close()  # the other ranks stop waiting; this process leaves the group
+        raise
+
+
+def build_parts(
+    spec: DeploymentSpec,
+    device: torch.device,
+    knobs: BenchKnobs,
+    metrics: EngineMetrics,
+    compute: Compute,
+    tp: TpGroup,
+    leader: RankLeader | None,
+) -> EngineParts:
+    """`build_engine_parts` once this process's rank (``tp``) is known."""
+    models = load_models(spec, device, knobs, tp)
+    memory = build_memory(spec, models, device, tp.size)
+    if leader is not None:
+        models = mirrored_models(models, leader)
+        pools = {"target": memory.kv_pool}
+        if memory.draft_pool is not None:
+            pools["draft"] = memory.draft_pool
+        leader.start(KVLayout(memory.kv_pool.num_slots, memory.backend_name), pools)
     processors = LogitsProcessors(sorted(models.eos_token_ids))
     runner = ModelRunner(
         models.model, memory.req_pool, memory.kv_pool, memory.backend, device, processors
     )
-    spec_decoder = build_spec_decoder(spec, models, memory, device, knobs, processors)
+    ops = memory.kv.ops if leader is None else MirroredOps(memory.kv.ops, leader)
+    spec_decoder = build_spec_decoder(spec, models, memory, device, knobs, processors, ops)
     fit = FitPolicy(
         context_length=models.context_length,
         page_size=memory.allocator.page_size,
@@ -163,7 +208,7 @@ def build_engine_parts(
     )
     scheduler = build_scheduler(spec, models, memory.kv, sessions)
     executor = build_executor(spec, models, scheduler, runner, spec_decoder, compute, metrics)
-    graphs_off = graphs_off_reason(spec, memory.backend_name, memory.kv.ops.name)
+    graphs_off = graphs_off_reason(spec, memory.backend_name, memory.kv.ops.name, tp.size)
     if graphs_off is None:
         executor.capture_graphs(
             default_sizes(min(spec.cuda_graph.max_batch_size, spec.max_running_requests))
@@ -176,6 +221,7 @@ def build_engine_parts(
         vocabulary=vocabulary_of(spec),
         kv_layout=kv_layout_of(spec, memory.kv_pool.buffer.dtype),
         context_length=models.context_length,
+        moves_kv=tp.size == 1,
     )
     return EngineParts(
         models=models,
@@ -188,14 +234,48 @@ def build_engine_parts(
         sessions=sessions,
         scheduler=scheduler,
         session_transfer=transfer,
+        ranks=leader,
     )
 
 
-def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -> Models:
-    """Tokenizer, target and draft; a speculative spec's widest rung checked against the
-    context length before the draft loads."""
+def mirrored_models(models: Models, leader: RankLeader) -> Models:
+    """Rank 0's models with their collective calls broadcast first (`MirroredModel`)."""
+    model = MirroredModel(models.model, "target", leader)
+    if models.draft_head is not None:
+        models.draft_head.model = MirroredModel(models.draft_head.model, "draft", leader)
+    return dataclasses.replace(models, model=model)
+
+
+def build_follower(
+    spec: DeploymentSpec, rank: int, rendezvous: RankRendezvous, knobs: BenchKnobs
+) -> RankFollower:
+    """Rank ``rank`` (> 0) of a tensor-parallel replica: joins the group and loads its
+    shards of the target and the draft; `RankFollower.serve` then runs rank 0's calls."""
+    device = torch.device(pick_device(spec))
+    tp, wire = join_rank_group(rendezvous, rank, device)
+    model, config = load_target(spec, device, knobs, None, tp)
+    models: dict = {"target": model}
+    shapes = {"target": local_pool_shape(config, config.num_hidden_layers, tp.size)}
+    if spec.draft is not None:
+        draft, draft_config = load_spec_draft(spec, model, config, device, knobs)
+        models["draft"] = draft
+        shapes["draft"] = local_pool_shape(draft_config.model, draft_config.num_kv_layers, tp.size)
+    dtype = next(model.parameters()).dtype
+    return RankFollower(wire, models, shapes, dtype, device)
+
+
+def local_pool_shape(config: ModelConfig, num_layers: int, tensor: int) -> PoolShape:
+    """A KV pool's shape on one rank: its share of the KV heads."""
+    return PoolShape(num_layers, TpShape.of(config, tensor).kv_heads, config.head_dim)
+
+
+def load_models(
+    spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs, tp: TpGroup = SINGLE_RANK
+) -> Models:
+    """Tokenizer, target and draft (``tp``: this rank's shards); a speculative spec's
+    widest rung checked against the context length before the draft loads."""
     tokenizer = load_tokenizer(spec.model.tokenizer or spec.model.path)
-    model, config = load_target(spec, device, knobs, tokenizer)
+    model, config = load_target(spec, device, knobs, tokenizer, tp)
     context_length = spec.model.context_length or config.max_position_embeddings
     eos = frozenset(eos_token_ids(tokenizer, config))
     defaults = sampling_defaults(spec, config)
@@ -207,16 +287,7 @@ def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -
         spec_policy = SpecPolicy(spec.speculative)
     draft_head = None
     if spec.draft is not None:
-        draft, draft_config = load_draft(
-            spec.draft.path,
-            spec.draft.algorithm,
-            model,
-            config,
-            device=str(device),
-            dummy=knobs.dummy_weights,
-            fused_elementwise=not knobs.eager_elementwise,
-        )
-        draft_head = DraftHead(draft, draft_config)
+        draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))
     return Models(
         tokenizer=tokenizer,
         model=model,
@@ -230,12 +301,36 @@ def load_models(spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs) -
     )
 
 
+def load_spec_draft(
+    spec: DeploymentSpec,
+    model: torch.nn.Module,
+    config: ModelConfig,
+    device: torch.device,
+    knobs: BenchKnobs,
+) -> tuple[torch.nn.Module, DraftConfig]:
+    """``spec.draft`` over ``model`` (sharded as the target is)."""
+    assert spec.draft is not None
+    return load_draft(
+        spec.draft.path,
+        spec.draft.algorithm,
+        model,
+        config,
+        device=str(device),
+        dummy=knobs.dummy_weights,
+        fused_elementwise=not knobs.eager_elementwise,
+    )
+
+
 def load_target(
-    spec: DeploymentSpec, device: torch.device, knobs: BenchKnobs, tokenizer: Any
+    spec: DeploymentSpec,
+    device: torch.device,
+    knobs: BenchKnobs,
+    tokenizer: Any,
+    tp: TpGroup = SINGLE_RANK,
 ) -> tuple[torch.nn.Module, ModelConfig]:
-    """The checkpoint's model, or with ``knobs.null_model`` a `NullCausalLM` from its
-    config.json alone (plain decoding only: a draft would read hidden states it has not)."""
-    check_served_tensor_size(spec.parallelism.tensor)
+    """The checkpoint's model (``tp``: this rank's shard), or with ``knobs.null_model``
+    a `NullCausalLM` from its config.json alone (plain decoding only: a draft would read
+    hidden states it has not)."""
     if not knobs.null_model:
         return load_model(
             spec.model.path,
@@ -243,6 +338,11 @@ def load_target(
             device=str(device),
             dummy=knobs.dummy_weights,
             fused_elementwise=not knobs.eager_elementwise,
+            tp=tp,
+        )
+    if tp.size > 1:
+        raise ConfigError(
+            "BenchKnobs.null_model (SPECD_BENCH_KNOBS) runs at spec.parallelism.tensor 1 only"
         )
     if spec.draft is not None:
         raise ConfigError(
@@ -252,18 +352,22 @@ def load_target(
     return load_null_model(spec.model.path, spec.model.dtype.value, device, tokenizer)
 
 
-def build_memory(spec: DeploymentSpec, models: Models, device: torch.device) -> KVMemory:
+def build_memory(
+    spec: DeploymentSpec, models: Models, device: torch.device, tensor: int = 1
+) -> KVMemory:
     """Size the KV pool (the draft's KV shares the target's slots), then build the rows,
-    pages, prefix cache and K/V pools; the attention backend is chosen on the way."""
+    pages, prefix cache and K/V pools; the attention backend is chosen on the way.
+    ``tensor``: each rank holds its share of the KV heads."""
     cfg, page = models.config, spec.kv_cache.page_size
     dtype = next(models.model.parameters()).dtype
-    per_token = KVPool.bytes_per_token(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype
-    )
+    shape = local_pool_shape(cfg, cfg.num_hidden_layers, tensor)
+    per_token = KVPool.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
     draft_cfg = models.draft_head.config if models.draft_head is not None else None
+    draft_shape = None
     if draft_cfg is not None:  # the draft's KV shares the target's slots
+        draft_shape = local_pool_shape(draft_cfg.model, draft_cfg.num_kv_layers, tensor)
         per_token += KVPool.bytes_per_token(
-            draft_cfg.num_kv_layers, draft_cfg.num_kv_heads, draft_cfg.head_dim, dtype
+            draft_shape.num_layers, draft_shape.num_kv_heads, draft_shape.head_dim, dtype
         )
     free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, models.context_length)
@@ -286,16 +390,14 @@ def build_memory(spec: DeploymentSpec, models: Models, device: torch.device) -> 
     )
     kv = KVManager(req_pool, allocator, ops, cache)
     slots = num_pages * page
-    kv_pool = KVPool(
-        cfg.num_hidden_layers, slots, cfg.num_key_value_heads, cfg.head_dim, dtype, device
-    )
+    kv_pool = KVPool(shape.num_layers, slots, shape.num_kv_heads, shape.head_dim, dtype, device)
     draft_pool = None
-    if draft_cfg is not None:
+    if draft_shape is not None:
         draft_pool = KVPool(
-            draft_cfg.num_kv_layers,
+            draft_shape.num_layers,
             slots,
-            draft_cfg.num_kv_heads,
-            draft_cfg.head_dim,
+            draft_shape.num_kv_heads,
+            draft_shape.head_dim,
             dtype,
             device,
         )
@@ -339,6 +441,7 @@ def build_spec_decoder(
     device: torch.device,
     knobs: BenchKnobs,
     processors: LogitsProcessors,
+    ops: KernelOps,
 ) -> SpecDecoder | None:
     """The speculative decoder over the target and the draft (None without a draft)."""
     if models.draft_head is None:
@@ -352,7 +455,7 @@ def build_spec_decoder(
         memory.draft_pool,
         memory.backend,
         device,
-        ops=memory.kv.ops,
+        ops=ops,
         force_accept_len=knobs.force_accept_len,
         processors=processors,
         guided_drafts=not knobs.unguided_drafts,
@@ -403,11 +506,15 @@ def build_executor(
     )
 
 
-def graphs_off_reason(spec: DeploymentSpec, backend_name: str, ops_name: str) -> str | None:
+def graphs_off_reason(
+    spec: DeploymentSpec, backend_name: str, ops_name: str, tensor: int = 1
+) -> str | None:
     """Why this engine runs without CUDA graphs, or None: the spec and the backend allow
     them (captured on CUDA; without it emulated, see ``EmulatedGraph``)."""
     if not spec.cuda_graph.enabled:
         return "spec.cudaGraph.enabled is false"
+    if tensor > 1:  # rank 0 sends each eager call's inputs; a replay has none to send
+        return f"spec.parallelism.tensor is {tensor}: graphs run at tensor 1 only"
     if not available_backends()[backend_name].supports_graphs:
         return f"the {backend_name} backend has no graph plans"
     if ops_name != "triton":  # the torch ops read index lengths on the host

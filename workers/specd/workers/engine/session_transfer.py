@@ -6,7 +6,8 @@ the host and frees it (`SessionTransfer.leave`), the destination allocates slots
 writes it back (`SessionTransfer.arrive`).  The history moves whenever both replicas read
 the same tokenizer; the KV only when it was computed the same way (same model files,
 dtype and draft), since it is reused as is.  Without the KV the session still moves,
-and its next turn prefills the history, as after a memory-pressure eviction.
+and its next turn prefills the history, as after a memory-pressure eviction.  A
+tensor-parallel replica moves histories only: its KV is split over its ranks.
 
 Both run on the engine loop thread, which owns the KV; tensor copies go through the
 compute thread so that they follow any step in flight.
@@ -36,7 +37,9 @@ def kv_layout_of(spec: DeploymentSpec, dtype: torch.dtype) -> str:
     """What a session's KV was computed by: target files and dtype, and the draft's."""
     draft = spec.draft
     drafted = f"{draft.path} ({draft.algorithm.value})" if draft is not None else "no draft"
-    return f"{spec.model.path} {dtype}, {drafted}"
+    tensor = spec.parallelism.tensor
+    split = f", over {tensor} ranks" if tensor > 1 else ""
+    return f"{spec.model.path} {dtype}, {drafted}{split}"
 
 
 class SessionTransfer:
@@ -50,6 +53,7 @@ class SessionTransfer:
         vocabulary: str,
         kv_layout: str,
         context_length: int,
+        moves_kv: bool = True,
     ):
         self.sessions = sessions
         self.kv = kv
@@ -58,6 +62,7 @@ class SessionTransfer:
         self.vocabulary = vocabulary
         self.kv_layout = kv_layout
         self.context_length = context_length
+        self.moves_kv = moves_kv  # False: snapshots carry the history only
 
     def leave(self, sid: str) -> SessionSnapshot:
         """Snapshot idle session ``sid`` and free it here (409 while a turn runs)."""
@@ -97,6 +102,8 @@ class SessionTransfer:
         )
 
     def _read(self, held: RequestKV) -> tuple[torch.Tensor, ...]:
+        if not self.moves_kv:
+            return ()
         slots = self.kv.slots(held, 0, held.committed)
         return tuple(self._run(pool.read, slots) for pool in self.pools)
 

@@ -250,8 +250,9 @@ class Gateway:
         if address:
             ray.init(address=address, namespace=ray_namespace(self.namespace))
         else:
-            # logical CPUs for every replica plus a rolling update's surge one
-            needed = math.ceil(self.spec.resources.cpu * (self.spec.most_replicas + 1))
+            # logical CPUs for every replica's ranks plus a rolling update's surge one
+            per_replica = self.spec.resources.cpu * self.spec.parallelism.tensor
+            needed = math.ceil(per_replica * (self.spec.most_replicas + 1))
             ray.init(
                 namespace=ray_namespace(self.namespace),
                 include_dashboard=False,

@@ -136,17 +136,6 @@ class TpShape:
         return cls(size, heads, kv_heads, kv_replicas, inter, moe_inter)
 
 
-def check_served_tensor_size(size: int) -> None:
-    """Refuse a tensor size the engine does not run yet: the model shards (this module),
-    but the engine's rank group (issue 32's next slice) is not built, so a replica is
-    one process.  ``ModelLoadError`` naming ``spec.parallelism.tensor``."""
-    if size != 1:
-        raise ModelLoadError(
-            f"{FIELD} {size}: this release loads sharded models but does not yet run a "
-            f"replica over several ranks; serve at tensor 1 (docs/tensor-parallelism.md)"
-        )
-
-
 def vocab_shard(vocab: int, size: int) -> int:
     """Rows of a vocabulary-sized matrix per rank: the vocabulary padded up to a
     multiple of ``size`` (the padding rows are zeros and their logits are dropped)."""

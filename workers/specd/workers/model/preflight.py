@@ -23,7 +23,7 @@ from specd.workers.model.config import ModelConfig, ModelLoadError, load_model_c
 from specd.workers.model.draft_loader import DraftConfig, parse_draft_config
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import check_checkpoint, resolve_dtype, weight_files
-from specd.workers.model.parallel import FIELD, TpShape, check_served_tensor_size
+from specd.workers.model.parallel import FIELD, TpShape
 from specd.workers.model.quantization import TensorHeader
 from specd.workers.model.tokenizer import load_tokenizer
 
@@ -98,7 +98,6 @@ def check_model_folders(spec: DeploymentSpec) -> None:
     if spec.draft is not None:
         draft = _about("spec.draft.path", check_draft, spec.draft, target)
         _about(FIELD, TpShape.of, draft.model, tensor, "draft")
-    _about(FIELD, check_served_tensor_size, tensor)
 
 
 def _about(field: str, check, *args):

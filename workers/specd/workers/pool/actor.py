@@ -35,6 +35,7 @@ from specd.workers.engine.engine import Engine
 from specd.workers.model.config import ModelLoadError
 from specd.workers.pool.delta_outbox import DeltaOutbox
 from specd.workers.pool.delta_socket import DeltaAddress, send_batches
+from specd.workers.pool.rank_actor import rank_gpus, rendezvous_here, start_ranks
 from specd.workers.types import (
     FinishReason,
     GenerateDelta,
@@ -95,11 +96,26 @@ class EngineActor:
         self._inflight = 0
         self._load_error: str | None = None
         self._outboxes: dict[str, DeltaOutbox] = {}  # by channel: one per gateway
+        rendezvous, self._ranks = None, None
+        if spec.parallelism.tensor > 1:  # this actor is rank 0; the others are its children
+            rendezvous = rendezvous_here(spec)
+            self._ranks = start_ranks(spec, rendezvous, ray.get_runtime_context().get_actor_name())
         try:
-            self._engine = Engine(spec, replica=replica, knobs=BenchKnobs.from_env())
+            self._engine = Engine(
+                spec, replica=replica, knobs=BenchKnobs.from_env(), rendezvous=rendezvous
+            )
             self._engine.start()
         except (ConfigError, ModelLoadError, BenchKnobsError) as err:  # reported by `info`, typed
             self._load_error = str(err)
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.kill()
+            raise
+        if self._ranks is not None:
+            if self._load_error is None:
+                self._ranks.watch(self._engine.rank_ended)
+            else:
+                self._ranks.kill()
 
     async def deltas(self, channel: str, address: DeltaAddress) -> None:
         """Send channel ``channel``'s deltas to the gateway at ``address``, batched, for as
@@ -254,7 +270,7 @@ def create_engine_actor(
     return _RemoteEngineActor.options(
         name=actor_name,
         lifetime="detached",
-        num_gpus=spec.resources.gpus,
+        num_gpus=rank_gpus(spec),  # rank 0's; `start_ranks` asks for the others'
         num_cpus=spec.resources.cpu,
         max_restarts=0,
         max_concurrency=MAX_CONCURRENCY,

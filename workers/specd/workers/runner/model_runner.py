@@ -234,7 +234,7 @@ class ModelRunner:
             )
             tokens, logprobs, unusable = self._sample(logits, batch)
             return ComputedStep(tokens, logprobs, unusable=unusable)
-        ctx = ForwardContext(self.backend.plan(meta), out_cache_loc, self.kv_pool, self.backend)
+        ctx = ForwardContext.planned(self.backend, meta, out_cache_loc, self.kv_pool)
         aux = None
         if capture_layers is None:
             hidden = self.model(input_ids, positions, ctx)  # [num_tokens, hidden]

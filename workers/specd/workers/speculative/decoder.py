@@ -194,7 +194,7 @@ class SpecDecoder:
         lens = [len(t) for t in token_ids]
         positions, out_loc, meta = extend_layout(self.req_pool.req_to_token, rows, starts, lens)
         ids = host_tensor([t for ts in token_ids for t in ts], self.device)
-        ctx = ForwardContext(self.backend.plan(meta), out_loc, self.draft_pool, self.backend)
+        ctx = ForwardContext.planned(self.backend, meta, out_loc, self.draft_pool)
         next_feats, logit_hidden = self.head.forward(ids, torch.cat(features), positions, ctx)
         ends = (torch.cumsum(torch.tensor(lens), 0) - 1).tolist()
         return [(next_feats[e], logit_hidden[e]) for e in ends]
@@ -352,7 +352,7 @@ class SpecDecoder:
             got = self.graphs.run_verify(tree.num_tokens, tokens, positions, out_loc, meta)
             if got is not None:
                 return got
-        ctx = ForwardContext(self.backend.plan(meta), out_loc, self.target_pool, self.backend)
+        ctx = ForwardContext.planned(self.backend, meta, out_loc, self.target_pool)
         return self.verify_body(tokens, positions, ctx)
 
     def verify_body(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specd.workers.config import DraftAlgorithm
 from specd.workers.model.draft_loader import DraftConfig, DraftModel
-from specd.workers.model.eagle3 import Eagle3DraftModel
 from specd.workers.model.forward_context import ForwardContext
 
 
@@ -20,7 +20,7 @@ class DraftHead:
     def __init__(self, model: DraftModel, config: DraftConfig):
         self.model = model
         self.config = config
-        self.is_eagle3 = isinstance(model, Eagle3DraftModel)
+        self.is_eagle3 = config.algorithm == DraftAlgorithm.EAGLE3
 
     @property
     def capture_layers(self) -> tuple[int, ...]:

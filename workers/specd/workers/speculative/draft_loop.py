@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specd.kernels import AttentionBackend
+from specd.kernels import AttentionBackend, AttentionMetadata
 from specd.kernels.metadata import metadata_from_indices
 from specd.kernels.ops import KernelOps, exclusive_cumsum
 from specd.workers.mem_cache.kv_pool import KVPool
@@ -162,9 +162,9 @@ class DraftLoop:
             if s > 1:
                 feats = feats.gather(1, prev.parents[:, :, None].expand(-1, -1, feats.shape[-1]))
             ancestors = grow_ancestors(ancestors, prev.parents, x.own[s - 1])
-            plan = self._step_plan(x, s, node_rows, ancestors, graph_plans)
+            plan, meta = self._step_plan(x, s, node_rows, ancestors, graph_plans)
             out_loc = self.req_pool.req_to_token[node_rows, ancestors[:, :, -1].flatten()]
-            ctx = ForwardContext(plan, out_loc, self.draft_pool, self.backend)
+            ctx = ForwardContext(plan, out_loc, self.draft_pool, self.backend, meta)
             next_feats, logit_hidden = self.head.forward(
                 prev.tokens.flatten(), feats.flatten(0, 1), x.positions[s - 1], ctx
             )
@@ -182,15 +182,17 @@ class DraftLoop:
         node_rows: torch.Tensor,
         ancestors: torch.Tensor,
         graph_plans: list[Any] | None,
-    ) -> Any:
-        """Draft step ``s``'s attention plan: node j reads ``x.ranges`` then its ancestors."""
+    ) -> tuple[Any, AttentionMetadata | None]:
+        """Draft step ``s``'s attention plan (and, eager, its metadata): node j reads
+        ``x.ranges`` then its ancestors."""
         batch, k, _ = ancestors.shape
         table = self.req_pool.req_to_token
         extras = ancestors.view(batch * k, s)
         if graph_plans is None:
             lens = x.kv_lens[s - 1]
             kv_indices = self.ops.gather_row_slots(table, node_rows, x.ranges[s - 1], extras, lens)
-            return self.backend.plan(metadata_from_indices(kv_indices, [1] * len(lens), lens))
+            meta = metadata_from_indices(kv_indices, [1] * len(lens), lens)
+            return self.backend.plan(meta), meta
         plan = graph_plans[s - 1]
         self.ops.gather_row_slots_into(
             self.backend.graph_kv_indices(plan),
@@ -201,7 +203,7 @@ class DraftLoop:
             extras,
             self.req_pool.width,
         )
-        return plan
+        return plan, None
 
     def _kept(self, step: StepOut, guide: DraftGuide | None) -> StepOut:
         """A step's nodes in target ids (the guide records their paths)."""
