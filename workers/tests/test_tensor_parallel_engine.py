@@ -241,6 +241,10 @@ def test_killing_a_rank_fails_its_replica_and_the_pool_replaces_the_group(ray_cl
     )
     with running_gateway(spec, "tpkill", ready_timeout_s=180) as gw:
         victim, survivor = gw.pool.ready()
+        table = ray.util.placement_group_table(
+            ray.util.get_placement_group(f"{victim.actor_name}-ranks")
+        )  # each replica reserves its ranks together, on one node
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2, table
         ends: list[str] = []
         started = threading.Barrier(7)
 
@@ -273,6 +277,8 @@ def test_killing_a_rank_fails_its_replica_and_the_pool_replaces_the_group(ray_cl
             assert time.monotonic() < deadline, "no replacement group"
             time.sleep(0.2)
         assert survivor in gw.pool.ready() and survivor.restarts == 0
+        with pytest.raises(ValueError):  # the dead group's reservation went with it
+            ray.util.get_placement_group(f"{victim.actor_name}-ranks")
         assert "rank group broke: rank 1 died" in (victim.error or ""), victim.error
         replacement = next(r for r in gw.pool.ready() if r is not survivor)
         assert ray.get_actor(f"{replacement.actor_name}-rank1")  # a new group, rank 1 too
@@ -280,11 +286,14 @@ def test_killing_a_rank_fails_its_replica_and_the_pool_replaces_the_group(ray_cl
         for _ in range(4):  # both replicas answer
             done = client.completions.create(model="tp", prompt="def f(x):", max_tokens=8)
             assert done.usage.completion_tokens == 8
-        # rank 0 dies: Ray ends its children, so no rank of the group is left behind
+        # rank 0 dies: Ray ends its children, so no rank of the group is left behind,
+        # and the pool replaces the group again
         ray.kill(ray.get_actor(replacement.actor_name), no_restart=True)
-        deadline = time.monotonic() + 60
-        while _actor_exists(f"{replacement.actor_name}-rank1"):
-            assert time.monotonic() < deadline, "rank 1 outlived its rank 0"
+        deadline = time.monotonic() + 120
+        while _actor_exists(f"{replacement.actor_name}-rank1") or not (
+            gw.pool.converged() and replacement not in gw.pool.ready()
+        ):
+            assert time.monotonic() < deadline, "rank 1 outlived its rank 0, or no new group"
             time.sleep(0.2)
 
 

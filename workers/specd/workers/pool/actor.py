@@ -35,7 +35,13 @@ from specd.workers.engine.engine import Engine
 from specd.workers.model.config import ModelLoadError
 from specd.workers.pool.delta_outbox import DeltaOutbox
 from specd.workers.pool.delta_socket import DeltaAddress, send_batches
-from specd.workers.pool.rank_actor import rank_gpus, rendezvous_here, start_ranks
+from specd.workers.pool.rank_actor import (
+    in_bundle,
+    rank_gpus,
+    rendezvous_here,
+    reserve_ranks,
+    start_ranks,
+)
 from specd.workers.types import (
     FinishReason,
     GenerateDelta,
@@ -265,11 +271,16 @@ def create_engine_actor(
 
     ``max_restarts=0``: the pool controller replaces a dead actor itself (under a new
     replica name) so that the dead one's in-flight requests fail cleanly.  Detached, so
-    the actor outlives a gateway that dies: the next gateway adopts it by name.
+    the actor outlives a gateway that dies: the next gateway adopts it by name.  At
+    tensor > 1 it is rank 0, in bundle 0 of the replica's placement group.
     """
+    placement = {}
+    if spec.parallelism.tensor > 1:  # rank 0 in bundle 0 of the replica's ranks
+        placement["scheduling_strategy"] = in_bundle(reserve_ranks(spec, actor_name), 0)
     return _RemoteEngineActor.options(
         name=actor_name,
         lifetime="detached",
+        **placement,
         num_gpus=rank_gpus(spec),  # rank 0's; `start_ranks` asks for the others'
         num_cpus=spec.resources.cpu,
         max_restarts=0,

@@ -1,12 +1,15 @@
 """The ranks 1..N-1 of a tensor-parallel replica: one Ray actor each.
 
-The engine actor is rank 0.  It starts the other ranks itself (`start_ranks`), so they
-are its children: Ray ends an actor whose owner dies, which makes the whole group share
-one fate (a dead rank 0 takes the others with it; a dead other rank breaks the group's
-collectives and rank 0's loop, and the pool replaces the replica).  Every rank runs on
-rank 0's node (the group's collectives stay inside one node), with one GPU each when
-the replica has GPUs.  ``RankActor.serve`` runs for the replica's life; its result
-(or its error) is how rank 0 learns the rank has ended (`RankWatch`).
+A replica of tensor size N reserves a placement group of N bundles, ``STRICT_PACK``
+(one node), one GPU (on GPUs) and ``resources.cpu`` CPUs each (`reserve_ranks`); the
+engine actor is rank 0 in bundle 0.  It starts the other ranks itself (`start_ranks`),
+in bundles 1..N-1, so they are its children: Ray ends an actor whose owner dies, which
+makes the whole group share one fate (a dead rank 0 takes the others with it; a dead
+other rank breaks the group's collectives and rank 0's loop, and the pool replaces the
+replica).  The placement group is detached like rank 0 (a gateway restart adopts both
+by name) and removed with it (`release_ranks`, from `Replica.kill`).
+``RankActor.serve`` runs for the replica's life; its result (or its error) is how
+rank 0 learns the rank has ended (`RankWatch`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from specd.workers.bench_knobs import BenchKnobs
 from specd.workers.config import DeploymentSpec
@@ -53,6 +60,37 @@ def rank_gpus(spec: DeploymentSpec) -> float:
     if spec.parallelism.tensor == 1:
         return spec.resources.gpus
     return 1 if spec.resources.gpus > 0 else 0
+
+
+def ranks_group_name(actor_name: str) -> str:
+    """The placement group of the replica whose rank 0 is actor ``actor_name``."""
+    return f"{actor_name}-ranks"
+
+
+def reserve_ranks(spec: DeploymentSpec, actor_name: str) -> PlacementGroup:
+    """A detached ``STRICT_PACK`` placement group with one bundle per rank."""
+    bundle = {"CPU": spec.resources.cpu or 0.01}  # a bundle may not be empty
+    if spec.resources.gpus > 0:
+        bundle["GPU"] = rank_gpus(spec)
+    return ray.util.placement_group(
+        [dict(bundle) for _ in range(spec.parallelism.tensor)],
+        strategy="STRICT_PACK",
+        name=ranks_group_name(actor_name),
+        lifetime="detached",
+    )
+
+
+def in_bundle(group: PlacementGroup, rank: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+
+
+def release_ranks(actor_name: str) -> None:
+    """Remove the replica's placement group, if it has one (tensor > 1)."""
+    try:
+        group = ray.util.get_placement_group(ranks_group_name(actor_name))
+    except ValueError:  # tensor 1, or already removed
+        return
+    ray.util.remove_placement_group(group)
 
 
 def rendezvous_here(spec: DeploymentSpec) -> RankRendezvous:
@@ -97,9 +135,18 @@ class RankWatch:
 def start_ranks(
     spec: DeploymentSpec, rendezvous: RankRendezvous, name: str | None = None
 ) -> RankWatch:
-    """Start ranks 1..N-1 on this node; each joins ``rendezvous`` and loads its shards.
-    ``name``: rank 0's actor name; rank r's is ``{name}-rank{r}`` (``ray list actors``)."""
+    """Start ranks 1..N-1 in bundles 1..N-1 of this actor's placement group (or, where
+    it has none, as in a test's engine, pinned to this node); each joins ``rendezvous``
+    and loads its shards.  ``name``: rank 0's actor name; rank r's is ``{name}-rank{r}``
+    (``ray list actors``)."""
+    group = ray.util.get_current_placement_group()
     node = ray.get_runtime_context().get_node_id()
+
+    def placed(rank: int):
+        if group is not None:
+            return in_bundle(group, rank)
+        return NodeAffinitySchedulingStrategy(node, soft=False)
+
     actors = [
         _RemoteRankActor.options(
             name=None if name is None else f"{name}-rank{rank}",
@@ -107,7 +154,7 @@ def start_ranks(
             num_gpus=rank_gpus(spec),
             max_restarts=0,
             max_concurrency=2,  # ``pid`` beside the running ``serve``
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            scheduling_strategy=placed(rank),
         ).remote(spec, rank, rendezvous)
         for rank in range(1, rendezvous.size)
     ]

@@ -25,6 +25,7 @@ from specd.workers.contracts import (
     ReplicaStatus,
     ReplicaSummary,
 )
+from specd.workers.pool.rank_actor import release_ranks
 from specd.workers.pool.router import ReplicaLoad
 
 
@@ -130,9 +131,12 @@ class Replica:
         )
 
     def kill(self) -> None:
-        """End this replica's actor for good (one already gone is fine)."""
+        """End this replica's actor for good (one already gone is fine), and its
+        placement group at tensor > 1 (which ends any rank still in it)."""
         with contextlib.suppress(Exception):
             ray.kill(self.handle, no_restart=True)
+        with contextlib.suppress(Exception):
+            release_ranks(self.actor_name)
 
 
 def actor_name(deployment: str, token: str, replica: str) -> str:

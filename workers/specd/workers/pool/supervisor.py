@@ -37,6 +37,7 @@ from specd.workers.pool.actor import ReplicaLoadError
 from specd.workers.pool.delta_channel import DeltaChannel
 from specd.workers.pool.delta_socket import DeltaListener
 from specd.workers.pool.plan import StartBackoff
+from specd.workers.pool.rank_actor import release_ranks
 from specd.workers.pool.replica import (
     DeathReason,
     Replica,
@@ -111,6 +112,8 @@ class ReplicaSupervisor:
                 self.event("-", "not adopted", f"actor {ray_name}: {describe_error(err)}")
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(ray_name), no_restart=True)
+                with contextlib.suppress(Exception):
+                    release_ranks(ray_name)
                 continue
             replica = Replica(info.replica, ray_name, handle, info.config_hash, ReplicaState.READY)
             replica.info, replica.load = info, load
