@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 from transformers import AutoTokenizer
 
 from specd.devtools.testing import (
@@ -38,8 +39,11 @@ from specd.devtools.testing import (
     wait_idle,
 )
 from specd.devtools.tiny_draft import make_tiny_eagle3
+from specd.devtools.tp_ranks import run_on_ranks
+from specd.kernels import build_attention_metadata
 from specd.workers.config import spec_for_model
 from specd.workers.engine.engine import Engine
+from specd.workers.engine.rank_wire import ContextOnWire, KVMove, ModelCall, RankWire, Stop
 from specd.workers.pool.rank_actor import rendezvous_here, start_ranks
 from specd.workers.types import FinishReason
 
@@ -59,6 +63,40 @@ def reference():
     """Eight demo prompts (40 tokens: chunked at 16) and transformers' greedy outputs."""
     prompts = demo_prompts(8, 40)
     return prompts, hf_greedy(DEMO_TARGET, prompts, MAX_NEW)
+
+
+def _wire_round_trip(tp, every_tensor_apart: bool) -> list:
+    """Rank 0 sends three records; every rank returns what it holds afterwards."""
+    table = torch.arange(12, dtype=torch.int32).view(2, 6)
+    meta = build_attention_metadata(table, [0, 1], [2, 1], [4, 3], torch.ones(11, dtype=torch.bool))
+    records = [
+        ModelCall("target", "forward_with_aux", (torch.arange(3), ContextOnWire(meta, torch.tensor([3, 4, 9]), "draft"), (1, 2)), {"x": 1.5}),
+        KVMove("target", torch.tensor([5, 6]), torch.tensor([7, 8])),
+        Stop(),
+    ]  # fmt: skip
+    separate = (lambda t: True) if every_tensor_apart else (lambda t: False)
+    wire = RankWire(tp.group, tp.group, torch.device("cpu"), separate)
+    if tp.rank == 0:
+        for record in records:
+            wire.send(record)
+        return records
+    return [wire.receive() for _ in records]
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["inline", "device-group"])
+def test_records_cross_the_wire_whole(apart):
+    """Every field of each record arrives, with its tensors inside the pickle (CPU) or
+    broadcast after it on the device group (how CUDA tensors travel, run here on gloo)."""
+    sent, received = run_on_ranks(2, _wire_round_trip, apart)
+    assert [type(r) for r in received] == [ModelCall, KVMove, Stop]
+    call, move = received[0], received[1]
+    ids, ctx, layers = call.args
+    assert torch.equal(ids, sent[0].args[0]) and layers == (1, 2) and call.kwargs == {"x": 1.5}
+    assert ctx.pool == "draft" and torch.equal(ctx.out_cache_loc, sent[0].args[1].out_cache_loc)
+    for field in ("qo_indptr", "kv_indptr", "kv_indices", "custom_mask"):
+        assert torch.equal(getattr(ctx.attn_meta, field), getattr(sent[0].args[1].attn_meta, field))
+    assert (ctx.attn_meta.qo_lens, ctx.attn_meta.kv_lens) == ((2, 1), (4, 3))
+    assert torch.equal(move.src, sent[1].src) and torch.equal(move.dst, sent[1].dst)
 
 
 @pytest.mark.parametrize("page", [1, pytest.param(16, marks=pytest.mark.slow)])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -77,13 +78,23 @@ class Stop:
 Record = ModelCall | KVMove | KVLayout | Tick | Stop
 
 
+def on_device(tensor: torch.Tensor) -> bool:
+    """Whether a record's tensor travels on the device group (else inside the pickle)."""
+    return tensor.device.type != "cpu"
+
+
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, device_tensors: list[torch.Tensor]):
+    def __init__(
+        self,
+        file: io.BytesIO,
+        device_tensors: list[torch.Tensor],
+        separate: Callable[[torch.Tensor], bool],
+    ):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.device_tensors = device_tensors
+        self.device_tensors, self.separate = device_tensors, separate
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        if isinstance(obj, torch.Tensor) and self.separate(obj):
             self.device_tensors.append(obj.contiguous())
             return ("tensor", tuple(obj.shape), obj.dtype)
         return None
@@ -103,13 +114,20 @@ class RankWire:
     """Broadcasts records from rank 0 on the control group (gloo), their device tensors
     on the device group; every call fails after the group's timeout instead of hanging."""
 
-    def __init__(self, control_group: Any, device_group: Any, device: torch.device):
+    def __init__(
+        self,
+        control_group: Any,
+        device_group: Any,
+        device: torch.device,
+        separate: Callable[[torch.Tensor], bool] = on_device,
+    ):
         self.control_group, self.device_group, self.device = control_group, device_group, device
+        self.separate = separate  # which tensors travel on the device group
 
     def send(self, record: Record) -> None:
         device_tensors: list[torch.Tensor] = []
         buffer = io.BytesIO()
-        _Pickler(buffer, device_tensors).dump(record)
+        _Pickler(buffer, device_tensors, self.separate).dump(record)
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         dist.broadcast(torch.tensor([payload.numel()]), 0, group=self.control_group)
         dist.broadcast(payload, 0, group=self.control_group)
