@@ -37,7 +37,7 @@ from specd.workers.engine.leak_checks import LeakChecks
 from specd.workers.engine.metrics import EngineMetrics
 from specd.workers.engine.output import OutputProcessor, RequestStream, error_delta
 from specd.workers.engine.pipeline import StepPipeline
-from specd.workers.engine.rank_group import RankLeader, RankRendezvous
+from specd.workers.engine.rank_group import RankRendezvous
 from specd.workers.engine.validation import validate_request
 from specd.workers.requests.request import Req, RequestStatus
 from specd.workers.runner.structured_output import Grammars
@@ -70,7 +70,6 @@ class Engine:
     ):
         self.spec = spec
         self.rendezvous = rendezvous  # rank 0 of a tensor-parallel replica: where ranks meet
-        self.ranks: RankLeader | None = None
         self.knobs = knobs  # benchmark-only, never from the spec
         self.replica = replica
         self.device = torch.device(device or pick_device(spec))
@@ -132,7 +131,6 @@ class Engine:
             compute=self._compute,
             rendezvous=self.rendezvous,
         )
-        self.ranks = parts.ranks
         models, memory = parts.models, parts.memory
         self.tokenizer, self.model = models.tokenizer, models.model
         self.model_config = models.config
@@ -148,7 +146,7 @@ class Engine:
         self.executor, self.graphs_off = parts.executor, parts.graphs_off
         self.graphs = self.executor.graphs  # None when off (``graphs_off`` says why)
         self.fit, self.sessions, self.scheduler = parts.fit, parts.sessions, parts.scheduler
-        self.session_transfer = parts.session_transfer
+        self.session_transfer, self.ranks = parts.session_transfer, parts.ranks
         self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
         self.outputs = OutputProcessor(
             self.metrics,
@@ -273,13 +271,6 @@ class Engine:
         return EngineStatus.model_validate(
             {**self._status, "healthy": self.healthy, "last_error": self.last_error}
         )
-
-    def rank_ended(self, why: str) -> None:
-        """Another rank of this replica ended (its actor died or left): the group is
-        broken, and the loop ends at its next turn."""
-        if self.ranks is not None:
-            self.ranks.rank_ended(why)
-        self._inbox.wake()
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -119,7 +119,7 @@ class EngineActor:
             raise
         if self._ranks is not None:
             if self._load_error is None:
-                self._ranks.watch(self._engine.rank_ended)
+                self._ranks.watch(self._engine.ranks.rank_ended)
             else:
                 self._ranks.kill()
 
