@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,8 +71,8 @@ def join_rank_group(
         rank, rendezvous.size, rendezvous.init_method, rendezvous.timeout_s, backend
     )
     control = tp.group
-    if backend != "gloo":
-        control = dist.new_group(backend="gloo")
+    if backend != "gloo":  # new_group's own default timeout is 30 min: pass the group's
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=rendezvous.timeout_s))
     return tp, RankWire(control, tp.group, device)
 
 
