@@ -44,7 +44,7 @@ from specd.kernels import build_attention_metadata
 from specd.workers.config import spec_for_model
 from specd.workers.engine.engine import Engine
 from specd.workers.engine.rank_wire import ContextOnWire, KVMove, ModelCall, RankWire, Stop
-from specd.workers.pool.rank_actor import rendezvous_here, start_ranks
+from specd.workers.pool.rank_actor import start_ranks
 from specd.workers.types import FinishReason
 
 MAX_NEW = 12
@@ -234,9 +234,8 @@ def test_an_idle_group_outlives_its_timeout_and_a_stuck_rank_fails_it_in_time(
         parallelism={"tensor": 2, "collectiveTimeoutSeconds": 3},
         kvCache={"pageSize": 16, "maxTokens": 4096},
     )
-    rendezvous = rendezvous_here(spec)
-    ranks = start_ranks(spec, rendezvous)
-    engine = Engine(spec, rendezvous=rendezvous)
+    ranks = start_ranks(spec)
+    engine = Engine(spec, rendezvous=ranks.rendezvous)
     engine.start()
     rank1 = ray.get(ranks.actors[0].pid.remote())
     try:

@@ -197,10 +197,9 @@ def start_engine(model_path, *, device: str = "cpu", **overrides) -> Engine:
     spec = spec_for_model(model_path, model=model, **overrides)
     rendezvous = None
     if spec.parallelism.tensor > 1:  # this process is rank 0; the others are Ray actors
-        from specd.workers.pool.rank_actor import rendezvous_here, start_ranks
+        from specd.workers.pool.rank_actor import start_ranks
 
-        rendezvous = rendezvous_here(spec)
-        start_ranks(spec, rendezvous)
+        rendezvous = start_ranks(spec).rendezvous
     engine = Engine(spec, device=device, rendezvous=rendezvous)
     engine.start()
     return engine

@@ -233,7 +233,6 @@ class RankFollower:
         self.dtype, self.device = dtype, device
         self.pools: dict[PoolName, KVPool] = {}
         self.backend: Any = None  # rank 0's choice, from its `KVLayout`
-        self.calls = 0  # records run (a test's evidence that this rank took part)
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -250,7 +249,6 @@ class RankFollower:
         ops = ops_for_backend(layout.backend_name)
         while True:
             record = self.wire.receive()
-            self.calls += 1
             match record:
                 case Stop():
                     return

@@ -38,7 +38,6 @@ from specd.workers.pool.delta_socket import DeltaAddress, send_batches
 from specd.workers.pool.rank_actor import (
     in_bundle,
     rank_gpus,
-    rendezvous_here,
     reserve_ranks,
     start_ranks,
 )
@@ -104,8 +103,8 @@ class EngineActor:
         self._outboxes: dict[str, DeltaOutbox] = {}  # by channel: one per gateway
         rendezvous, self._ranks = None, None
         if spec.parallelism.tensor > 1:  # this actor is rank 0; the others are its children
-            rendezvous = rendezvous_here(spec)
-            self._ranks = start_ranks(spec, rendezvous, ray.get_runtime_context().get_actor_name())
+            self._ranks = start_ranks(spec, ray.get_runtime_context().get_actor_name())
+            rendezvous = self._ranks.rendezvous
         try:
             self._engine = Engine(
                 spec, replica=replica, knobs=BenchKnobs.from_env(), rendezvous=rendezvous

@@ -8,7 +8,7 @@ makes the whole group share one fate (a dead rank 0 takes the others with it; a 
 other rank breaks the group's collectives and rank 0's loop, and the pool replaces the
 replica).  The placement group is detached like rank 0 (a gateway restart adopts both
 by name) and removed with it (`release_ranks`, from `Replica.kill`).
-``RankActor.serve`` runs for the replica's life; its result (or its error) is how
+``RankActor.serve`` runs for the replica's life; its end (a return or an error) is how
 rank 0 learns the rank has ended (`RankWatch`).
 """
 
@@ -39,12 +39,9 @@ class RankActor:
     def __init__(self, spec: DeploymentSpec, rank: int, rendezvous: RankRendezvous):
         self.spec, self.rank, self.rendezvous = spec, rank, rendezvous
 
-    def serve(self) -> int:
-        """Join the group, load this rank's shards, run rank 0's calls until it stops;
-        -> how many records it ran."""
-        follower = build_follower(self.spec, self.rank, self.rendezvous, BenchKnobs.from_env())
-        follower.serve()
-        return follower.calls
+    def serve(self) -> None:
+        """Join the group, load this rank's shards, run rank 0's calls until it stops."""
+        build_follower(self.spec, self.rank, self.rendezvous, BenchKnobs.from_env()).serve()
 
     def pid(self) -> int:
         """This rank's process id (answered while ``serve`` runs)."""
@@ -93,7 +90,7 @@ def release_ranks(actor_name: str) -> None:
     ray.util.remove_placement_group(group)
 
 
-def rendezvous_here(spec: DeploymentSpec) -> RankRendezvous:
+def _rendezvous_here(spec: DeploymentSpec) -> RankRendezvous:
     """Rank 0's address on this node, on a port free now."""
     with socket.socket() as s:
         s.bind(("", 0))
@@ -108,8 +105,10 @@ def rendezvous_here(spec: DeploymentSpec) -> RankRendezvous:
 
 @dataclass
 class RankWatch:
-    """The other ranks' actors and their running ``serve`` calls."""
+    """Where the ranks meet (rank 0 joins there too), the other ranks' actors and their
+    running ``serve`` calls."""
 
+    rendezvous: RankRendezvous
     actors: list[ray.actor.ActorHandle]
     serving: list[ray.ObjectRef]
 
@@ -132,13 +131,12 @@ class RankWatch:
             ray.kill(actor, no_restart=True)
 
 
-def start_ranks(
-    spec: DeploymentSpec, rendezvous: RankRendezvous, name: str | None = None
-) -> RankWatch:
+def start_ranks(spec: DeploymentSpec, name: str | None = None) -> RankWatch:
     """Start ranks 1..N-1 in bundles 1..N-1 of this actor's placement group (or, where
-    it has none, as in a test's engine, pinned to this node); each joins ``rendezvous``
-    and loads its shards.  ``name``: rank 0's actor name; rank r's is ``{name}-rank{r}``
-    (``ray list actors``)."""
+    it has none, as in a test's engine, pinned to this node); each joins the rendezvous
+    on this node that rank 0 (this process) then joins, and loads its shards.  ``name``:
+    rank 0's actor name; rank r's is ``{name}-rank{r}`` (``ray list actors``)."""
+    rendezvous = _rendezvous_here(spec)
     group = ray.util.get_current_placement_group()
     node = ray.get_runtime_context().get_node_id()
 
@@ -158,4 +156,4 @@ def start_ranks(
         ).remote(spec, rank, rendezvous)
         for rank in range(1, rendezvous.size)
     ]
-    return RankWatch(actors, [actor.serve.remote() for actor in actors])
+    return RankWatch(rendezvous, actors, [actor.serve.remote() for actor in actors])
