@@ -264,6 +264,9 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
             "numSteps": args.steps,
             "topk": args.topk,
             "numDraftTokens": args.draft_tokens,
+            # every batch speculates: this times the verify path at a chosen acceptance
+            # (whether speculating pays per batch is bench_spec.py's question)
+            "policy": {"costModel": {"enabled": False}},
         }
     knobs = BenchKnobs(
         dummy_weights=True,

@@ -1,5 +1,9 @@
 """Speculative decoding on the shipped demo pair vs specd without it and vs peers.
 
+``specd-chain`` and ``specd-tree`` run the default policy (the cost model picks
+speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
+every batch (``policy.costModel.enabled: false``), the behaviour before it.
+
 Greedy, fixed output length, prompts cut from held-out text (the demo corpus's
 validation files), engines in their own processes, interleaved repeats, medians printed
 as ratios in one run.  Every engine's outputs are checked token-identical to specd
@@ -43,12 +47,21 @@ def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
 
 
 def spec_fields(
-    draft: str, steps: int, topk: int, tokens: int, page: int, overlap: bool = False
+    draft: str,
+    steps: int,
+    topk: int,
+    tokens: int,
+    page: int,
+    overlap: bool = False,
+    cost_model: bool = True,
 ) -> str:
+    speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
+    if not cost_model:  # always speculate: the policy before the cost model
+        speculative["policy"] = {"costModel": {"enabled": False}}
     return json.dumps(
         {
             "draft": {"path": str(Path(draft).resolve())},
-            "speculative": {"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
+            "speculative": speculative,
             "kvCache": {"pageSize": page},
             "scheduler": {"overlap": overlap},
         }
@@ -56,8 +69,8 @@ def spec_fields(
 
 
 def run_batch(workers, prompts, new_tokens, repeats):
-    for w in workers:  # warm-up, untimed
-        w.run(prompts[:1], 8)
+    for w in workers:  # warm-up, untimed: the whole batch once (the cost model explores)
+        w.run(prompts, new_tokens)
     times = {w.name: [] for w in workers}
     outputs, stats = {}, {}
     for rep in range(repeats):
@@ -102,7 +115,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="examples/models/demo-target")
     ap.add_argument("--draft", default="examples/models/demo-eagle")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -115,13 +128,20 @@ def main(argv=None):
 
     max_batch = max(args.batch)
     py = sys.executable
-    chain = spec_fields(args.draft, *map(int, args.chain.split(",")), args.page_size)
-    tree = spec_fields(args.draft, *map(int, args.tree.split(",")), args.page_size)
+    chain_shape = (*map(int, args.chain.split(",")), args.page_size)
+    tree_shape = (*map(int, args.tree.split(",")), args.page_size)
+    chain = spec_fields(args.draft, *chain_shape)
+    tree = spec_fields(args.draft, *tree_shape)
     plain = json.dumps({"kvCache": {"pageSize": args.page_size}})
     workers = [
         Worker("specd", py, args.target, "float32", max_batch, spec=plain),
         Worker("specd", py, args.target, "float32", max_batch, "specd-chain", chain),
         Worker("specd", py, args.target, "float32", max_batch, "specd-tree", tree),
+    ]
+    for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
+        always = spec_fields(args.draft, *shape, cost_model=False)
+        workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))
+    workers += [
         Worker("transformers", py, args.target, "float32", max_batch),
         Worker("transformers-pld", py, args.target, "float32", max_batch),
     ]

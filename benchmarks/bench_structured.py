@@ -67,6 +67,8 @@ class SpecdContender:
                 "numSteps": args.steps,
                 "topk": args.topk,
                 "numDraftTokens": args.draft_tokens,
+                # every batch speculates: the A/B is guided against unguided drafts
+                "policy": {"costModel": {"enabled": False}},
             }
         knobs = BenchKnobs(unguided_drafts=kind == "unguided")
         self.engine = Engine(spec_for_model(args.target, **fields), device="cpu", knobs=knobs)

@@ -233,7 +233,21 @@ def speculative() -> dict:
                 [rate_per_replica_by("specd_spec_plain_steps_total", "reason")],
                 unit="ops",
                 description="rung: the active rung is 0; load: the batch exceeded "
-                "policy.maxBatchForSpec",
+                "policy.maxBatchForSpec; cost: the cost model predicted more tokens/s "
+                "from plain decode (or explored it)",
+            ),
+            panel(
+                "Cost model: predicted tokens/s per request by batch bucket and steps",
+                [
+                    (
+                        f"max by ({PER_REPLICA}, batch_bucket, steps) "
+                        f"({sel('specd_spec_cost_predicted_tokens_per_second')})",
+                        f"{REPLICA_LEGEND} batch<={{{{batch_bucket}}}} steps={{{{steps}}}}",
+                    )
+                ],
+                description="(1 + accepted drafts) / measured seconds per request; each "
+                "verify batch runs the higher of its bucket's speculating rung and plain "
+                "(steps 0)",
             ),
             panel(
                 "KV usage (used / total)",

@@ -98,7 +98,7 @@ def family_names(text: str) -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
     """A live gateway (its URL) over one speculative engine (the demo pair) with the
-    adaptive ladder, the load policy, sessions and strict leak checks."""
+    adaptive ladder, the cost model, sessions and strict leak checks."""
     spec = spec_for_model(
         str(DEMO_MODELS / "demo-target"),
         replicas=1,
@@ -110,7 +110,7 @@ def gateway() -> Iterator[str]:
             "numSteps": 3,
             "numDraftTokens": 4,
             "adaptive": {"enabled": True, "candidateSteps": [0, 1, 3], "warmupBatches": 1},
-            "policy": {"maxBatchForSpec": 1},  # two requests at once verify plain ("load")
+            "policy": {"costModel": {"enabled": True}},  # the default, exporting its gauges
         },
         sessions={"enabled": True},
         debug={"strictMemCheck": 1},
@@ -124,7 +124,7 @@ def gateway() -> Iterator[str]:
 
 
 def serve_mixed_traffic(url: str) -> None:
-    """Plain, speculative, load-limited (two at once), structured and session requests."""
+    """Plain, speculative, two at once, structured and session requests."""
     with httpx.Client(base_url=url, timeout=60) as c:
 
         def complete(prompt: str, **extra) -> None:
@@ -184,6 +184,8 @@ def test_the_scrape_has_every_speculative_family(scrape):
         "specd_spec_accept_length_bucket",
         "specd_spec_accepted_by_position_total",
         "specd_spec_plain_steps_total",
+        "specd_spec_cost_seconds_per_request",
+        "specd_spec_cost_predicted_tokens_per_second",
         "specd_sessions_open",
         "specd_gateway_requests_total",
         "specd_structured_requests_total",

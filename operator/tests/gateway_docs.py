@@ -41,7 +41,8 @@ def actor(
             "batches": 0,
             "rung_changes": 0,
             "max_batch_for_spec": None,
-            "plain_steps": {"rung": 0, "load": 0},
+            "cost_model": None,
+            "plain_steps": {"rung": 0, "load": 0, "cost": 0},
         }
     load = replica_status(
         name,

@@ -26,7 +26,7 @@ from specd.devtools.testing import (
 from specd.devtools.tiny_draft import make_tiny_eagle
 from specd.workers.config import AdaptiveSpec, ConfigError, spec_for_model
 from specd.workers.mem_cache.sizing import SpecShape, alloc_reserve_per_decode
-from specd.workers.rung import PLAIN, Rung
+from specd.workers.rung import PLAIN, PlainReason, Rung
 from specd.workers.speculative.adaptive import AdaptiveController, SpecPolicy
 
 MAX_NEW = 20
@@ -132,14 +132,15 @@ def test_policy_plain_under_load_and_no_feedback_from_it():
         initial_rung=R3,
         ladder=tuple(CHAIN),
         adaptive=params(),
-        policy=SimpleNamespace(max_batch_for_spec=2),
+        policy=SimpleNamespace(max_batch_for_spec=2, uses_cost_model=False),
     )
     policy = SpecPolicy(spec)
-    assert policy.choose(2) == (R3, False)
-    assert policy.choose(3) == (PLAIN, True)
-    policy.observe(PLAIN, True, [0, 0, 0])  # load-plain batches do not move the rung
+    assert policy.cost_model is None
+    assert policy.choose(2) == (R3, None)
+    assert policy.choose(3) == (PLAIN, PlainReason.LOAD)
+    policy.observe(PLAIN, PlainReason.LOAD, [], 0.1, 3)  # load-plain: no rung move
     assert policy.active == R3 and policy.controller.batches == 0
-    policy.observe(R3, False, [0, 0])
+    policy.observe(R3, None, [0, 0], 0.1, 2)
     assert policy.active == R1
     assert policy.status()["steps"] == 1 and policy.status()["rung_changes"] == 1
 
@@ -253,7 +254,8 @@ def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
     def recording(batch):
         if batch.verify:
             grants = zip(batch.granted_lens, batch.reqs, strict=True)
-            seen.append((batch.rung, batch.plain_by_load, [(g, r.kv.committed) for g, r in grants]))
+            by_load = batch.plain_reason == PlainReason.LOAD
+            seen.append((batch.rung, by_load, [(g, r.kv.committed) for g, r in grants]))
         return submit(batch)
 
     engine.executor.submit = recording
@@ -376,7 +378,8 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
             (rung == PLAIN) == by_load and (len(grants) > 2) == by_load
             for rung, by_load, grants in seen
         )
-        assert engine.status().adaptive.plain_steps.model_dump() == {"rung": 0, "load": load}
+        plain = engine.status().adaptive.plain_steps.model_dump()
+        assert plain == {"rung": 0, "load": load, "cost": 0}
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
         check_widest_allocation(engine, seen)
     finally:

@@ -21,6 +21,7 @@ from specd.devtools.testing import (
     collect,
     hf_greedy,
     metric_value,
+    pinned_speculation,
     random_prompts,
     run_all,
 )
@@ -67,7 +68,9 @@ def knob_engine(
     )
     if draft is not None:
         fields["draft"] = {"path": draft, "algorithm": algorithm}
-        fields["speculative"] = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
+        fields["speculative"] = pinned_speculation(
+            {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
+        )
     engine = Engine(spec_for_model(target, **fields), device=device, knobs=knobs)
     engine.start()
     return engine
@@ -264,8 +267,6 @@ def test_bench_gpu_fp8_plain_smoke(tmp_path):
     shape = bench_gpu.SHAPES["tiny"]
     bf16_folder, _ = bench_gpu.write_folders(tmp_path / "bf16", shape, "bfloat16")
     assert report["weight_bytes"] < bench_gpu.decode_weight_bytes(bf16_folder, "bfloat16")
-
-
 
     """The decode profile's wall time per step on CPU (no kernels there), and its kernel
     families read off the names of real cuBLAS, Triton and flashinfer kernels."""

@@ -45,6 +45,12 @@ CONFIGS = {
         "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
         "kvCache": {"pageSize": 16},
     },
+    # batches of more than two run plain with the draft deferred; smaller ones catch up
+    # and speculate (speculative/deferred_extend.py)
+    "chain-deferred-overlap": {
+        "speculative": {"numSteps": 3, "policy": {"maxBatchForSpec": 2}},
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+    },
 }
 
 
@@ -268,7 +274,13 @@ def test_bad_session_calls(engine):
 
 
 @pytest.mark.parametrize(
-    ("config", "pool"), [("plain", 320), ("chain-overlap", 384), ("tree-overlap-page16", 768)]
+    ("config", "pool"),
+    [
+        ("plain", 320),
+        ("chain-overlap", 384),
+        ("tree-overlap-page16", 768),
+        ("chain-deferred-overlap", 384),
+    ],
 )
 def test_retraction_under_a_small_pool_keeps_sessions_exact(models, config, pool):
     """Page 16, a pool too small for every session at once: idle sessions' KV is

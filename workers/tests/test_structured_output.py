@@ -288,6 +288,10 @@ ENGINES = {
     "paged tree overlap": lambda: start_spec_engine(
         DEMO_TARGET, DEMO_EAGLE, page_size=16, steps=3, topk=4, overlap=True
     ),
+    # four at once run plain, the draft deferred; three catch up and speculate
+    "chain deferred": lambda: start_spec_engine(
+        DEMO_TARGET, DEMO_EAGLE, steps=3, policy={"maxBatchForSpec": 3}
+    ),
 }
 
 

@@ -186,12 +186,23 @@ def bounded_kv_cache(kv_cache: dict) -> dict:
     return {**kv_cache, "maxTokens": TEST_GPU_KV_TOKENS}
 
 
+def pinned_speculation(speculative: dict) -> dict:
+    """``speculative`` with the cost model off unless it sets ``policy``: tests' drafts
+    are mostly random, and the cost model would soon run them plain, leaving the verify
+    path they test unexercised.  Tests of the cost model set the policy themselves."""
+    if "policy" in speculative:
+        return speculative
+    return {**speculative, "policy": {"costModel": {"enabled": False}}}
+
+
 def start_engine(model_path, *, device: str = "cpu", **overrides) -> Engine:
     """An engine over ``model_path`` (float32 unless ``model.dtype`` says otherwise), with
     the spec fields in ``overrides`` (camelCase, as in the YAML).  At
     ``parallelism.tensor`` > 1 this process is rank 0 and the other ranks are Ray actors
     on the Ray already initialized."""
     model = {"dtype": "float32", **overrides.pop("model", {})}
+    if "draft" in overrides:
+        overrides["speculative"] = pinned_speculation(overrides.get("speculative", {}))
     if device != "cpu":
         overrides["kvCache"] = bounded_kv_cache(overrides.get("kvCache", {}))
     spec = spec_for_model(model_path, model=model, **overrides)
@@ -214,17 +225,22 @@ def start_spec_engine(
     tokens=None,
     algorithm="EAGLE",
     overlap=False,
+    policy=None,
     **extra,
 ) -> Engine:
     """A speculative engine with strict leak checks; ``tokens`` defaults to the chain's
-    ``steps + 1``, or for a tree ``min(topk * steps + 1, 2 * steps + 2)``."""
+    ``steps + 1``, or for a tree ``min(topk * steps + 1, 2 * steps + 2)``; ``policy``:
+    ``speculative.policy`` (default: always speculate, ``pinned_speculation``)."""
     tokens = tokens or default_num_draft_tokens(steps, topk, cap=2 * steps + 2)
+    speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
+    if policy is not None:
+        speculative["policy"] = policy
     return start_engine(
         target,
         kvCache={"pageSize": page_size, "maxTokens": 4096},
         scheduler={"chunkedPrefillSize": 16, "overlap": overlap, **extra.pop("scheduler", {})},
         draft={"path": draft, "algorithm": algorithm},
-        speculative={"numSteps": steps, "topk": topk, "numDraftTokens": tokens},
+        speculative=speculative,
         debug={"strictMemCheck": 1},
         **extra,
     )

@@ -27,6 +27,7 @@ from specd.workers.spec_model import ConfigError, SpecModel, SubfieldError  # no
 from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
     AdaptiveSpec,
     CandidateRung,
+    CostModelSpec,
     SpeculationPolicySpec,
     SpeculativeSpec,
     default_num_draft_tokens,

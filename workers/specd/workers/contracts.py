@@ -82,6 +82,42 @@ class PlainSteps(_Contract):
 
     rung: int  # the active rung has no draft
     load: int  # policy.maxBatchForSpec
+    cost: int  # the cost model (its explorations of plain included)
+
+
+class RungCost(_Contract):
+    """One rung's measured cost in a batch-size bucket, and its predicted throughput."""
+
+    steps: int  # 0 = plain decode
+    topk: int
+    draft_tokens: int
+    seconds_per_request: float | None  # median of the newest; None until measured
+    tokens_per_second: float | None  # per request; None until cost and acceptance are known
+
+
+class CostBucket(_Contract):
+    """Verify batches of up to ``max_batch`` requests (and over half of it)."""
+
+    max_batch: int
+    decisions: int  # made on measurements (explorations not counted)
+    best_steps: int | None  # the last decision's winner (0 = plain)
+    rungs: tuple[RungCost, ...]
+
+
+class RungAcceptance(_Contract):
+    steps: int
+    topk: int
+    draft_tokens: int
+    accepted_drafts: float | None  # EMA of accepted drafts per request (bonus excluded)
+
+
+class CostModelStatus(_Contract):
+    """The cost model's inputs and decisions (``speculative/cost_model.py``)."""
+
+    explorations: int
+    catch_up_seconds_per_token: float | None  # the draft reading deferred tokens
+    accepted_drafts: tuple[RungAcceptance, ...]
+    buckets: tuple[CostBucket, ...]
 
 
 class AdaptiveStatus(_Contract):
@@ -96,6 +132,7 @@ class AdaptiveStatus(_Contract):
     batches: int
     rung_changes: int
     max_batch_for_spec: int | None
+    cost_model: CostModelStatus | None  # None: off, or maxBatchForSpec overrides it
     plain_steps: PlainSteps
 
 

@@ -10,6 +10,7 @@ one (``SpeculativeSpec.max_draft_tokens``, ``SpecShape.from_spec``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,3 +28,12 @@ class Rung:
 
 
 PLAIN = Rung(0, 1, 1)
+
+
+class PlainReason(StrEnum):
+    """Why a speculative engine's verify batch ran the plain rung
+    (``specd_spec_plain_steps_total{reason}``)."""
+
+    RUNG = "rung"  # the active rung is plain (steps 0)
+    LOAD = "load"  # the batch has more requests than policy.maxBatchForSpec
+    COST = "cost"  # the cost model predicts more tokens/s from plain decode, or explores it

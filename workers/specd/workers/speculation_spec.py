@@ -68,12 +68,43 @@ class AdaptiveSpec(SpecModel):
         return self
 
 
+class CostModelSpec(SpecModel):
+    """The measured cost model: per batch, speculate only where it predicts more tokens
+    per second than plain decode (``speculative/cost_model.py``)."""
+
+    enabled: bool = Field(
+        True, description="Pick speculation or plain decode per verify batch by measured cost"
+    )
+    ema_alpha: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="Weight of the newest verify batch in the acceptance estimate",
+    )
+    reexplore_every: int = Field(
+        64,
+        ge=2,
+        le=100_000,
+        description="Decisions per batch-size bucket between re-runs of the losing choice",
+    )
+
+
 class SpeculationPolicySpec(SpecModel):
-    """Load-aware speculation: large batches gain little from drafting."""
+    """When a verify batch speculates: the cost model decides, unless maxBatchForSpec
+    sets a fixed threshold."""
 
     max_batch_for_spec: int | None = Field(
-        None, ge=1, description="A verify batch with more requests runs plain decode (steps 0)"
+        None,
+        ge=1,
+        description="A verify batch with more requests runs plain decode (steps 0); "
+        "overrides the cost model",
     )
+    cost_model: CostModelSpec = Field(default_factory=CostModelSpec)
+
+    @property
+    def uses_cost_model(self) -> bool:
+        """The cost model decides (maxBatchForSpec, when set, overrides it)."""
+        return self.cost_model.enabled and self.max_batch_for_spec is None
 
 
 class SpeculativeSpec(SpecModel):

@@ -16,6 +16,7 @@ pipeline and the engine never ask which.  An executor decides
 from __future__ import annotations
 
 import dataclasses
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -25,12 +26,13 @@ from specd.workers.engine.compute import Compute
 from specd.workers.engine.metrics import EngineMetrics
 from specd.workers.requests.batch import RunnerOutput, ScheduledBatch
 from specd.workers.requests.request import Req
-from specd.workers.rung import PLAIN, Rung
+from specd.workers.rung import PLAIN, PlainReason, Rung
 from specd.workers.runner.graph_runner import GraphRunner
 from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.scheduler.scheduler import Scheduler
 from specd.workers.speculative.adaptive import SpecPolicy
-from specd.workers.speculative.decoder import SpecDecoder
+from specd.workers.speculative.cost_model import batch_bucket
+from specd.workers.speculative.decoder import SpecDecoder, SpecStepOut
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.step_graphs import SpecGraphs
 
@@ -98,11 +100,17 @@ class PlainExecutor(StepExecutor):
         self.graphs.capture()
 
 
+# plain batches the policy chose leave the draft's extend for later (deferred_extend.py);
+# a switch back to speculation catches up first (a transition, not charged to plain)
+DEFERRING = (PlainReason.LOAD, PlainReason.COST)
+
+
 def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
     """The rungs a speculative engine may run, so captures graphs for: its ladder, and
-    the plain rung when large batches run plain."""
+    the plain rung when the policy may run a batch plain (cost model or threshold)."""
     rungs = list(speculative.ladder)
-    if speculative.policy.max_batch_for_spec is not None:
+    policy = speculative.policy
+    if PLAIN not in rungs and (policy.uses_cost_model or policy.max_batch_for_spec is not None):
         rungs.append(PLAIN)
     return rungs
 
@@ -134,24 +142,35 @@ class SpeculativeExecutor(StepExecutor):
         self.metrics = metrics
         metrics.spec_adaptive_steps.set(policy.active.steps)
         scheduler.on_release = self._forget_draft_state
+        self._backlogs: dict[str, int] = {}  # rid -> deferred tokens the draft has not read
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._with_rung(self.scheduler.schedule())
+        start = time.perf_counter()
+        return self._with_rung(self.scheduler.schedule(), start)
 
     def schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
         if self.scheduler.wants_extend():
             return None
-        return self._with_rung(self.scheduler.schedule_verify(allow_retract=False))
+        start = time.perf_counter()
+        return self._with_rung(self.scheduler.schedule_verify(allow_retract=False), start)
 
     def pipelined(self, batch: ScheduledBatch) -> bool:
         return self.overlap and batch.verify
 
     def submit(self, batch: ScheduledBatch) -> Future:
         if batch.verify:
-            return self.compute.submit(
-                self.decoder.step, list(batch.reqs), list(batch.granted_lens), batch.rung
-            )
+            return self.compute.submit(self._timed_step, batch)
         return self.compute.submit(self._extend_compute, batch)
+
+    def _timed_step(self, batch: ScheduledBatch) -> SpecStepOut:
+        """Compute side of a verify, with its seconds for the cost model (a catch-up of
+        deferred draft extends left out: the cost model charges it to plain steps).
+        A batch the policy ran plain leaves the draft's extend for later."""
+        start = time.perf_counter()
+        defer = batch.plain_reason in DEFERRING
+        out = self.decoder.step(list(batch.reqs), list(batch.granted_lens), batch.rung, defer)
+        seconds = time.perf_counter() - start - out.catch_up_seconds
+        return dataclasses.replace(out, seconds=seconds)
 
     def process(self, batch: ScheduledBatch, out) -> list[Req]:
         if batch.verify:
@@ -159,6 +178,8 @@ class SpeculativeExecutor(StepExecutor):
         updated = self.scheduler.process_result(batch, out)
         for req, sampled in zip(batch.reqs, batch.sample, strict=True):
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
+            if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
+                self._backlogs.pop(req.rid, None)
         return updated
 
     def capture_graphs(self, sizes: list[int]) -> None:
@@ -166,16 +187,18 @@ class SpeculativeExecutor(StepExecutor):
         self.decoder.graphs = self.graphs
         self.graphs.capture()
 
-    def _with_rung(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
+    def _with_rung(self, batch: ScheduledBatch | None, start: float) -> ScheduledBatch | None:
         """Fix a verify batch's rung when it is scheduled: the adaptive controller's
-        active rung, or plain when the load policy says so (allocation stays widest)."""
+        active rung, or plain when the policy says so (allocation stays widest)."""
         if batch is None or not batch.verify:
             return batch
-        rung, by_load = self.policy.choose(len(batch.reqs))
+        backlog = sum(self._backlogs.get(r.rid, 0) for r in batch.reqs) / len(batch.reqs)
+        rung, plain_reason = self.policy.choose(len(batch.reqs), backlog)
         return dataclasses.replace(
             batch,
             rung=rung,
-            plain_by_load=by_load,
+            plain_reason=plain_reason,
+            scheduled_at=start,
             extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
         )
 
@@ -217,12 +240,44 @@ class SpeculativeExecutor(StepExecutor):
         """Feed the batch's acceptance (probe hits on the plain rung) to the adaptive
         controller; every request the verify ran on counts, finished ones too."""
         rung = batch.rung
-        self.metrics.observe_rung(rung.speculates, batch.plain_by_load)
+        self.metrics.observe_rung(batch.plain_reason)
+        accepted = out.accept_lens if rung.speculates else out.probes
         self.policy.observe(
-            rung, batch.plain_by_load, out.accept_lens if rung.speculates else out.probes
+            rung, batch.plain_reason, accepted, self._step_seconds(batch, out), len(batch.reqs)
         )
+        deferred = batch.plain_reason in DEFERRING
+        if deferred:  # a full backlog: what staying plain costs
+            self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
+        self._count_backlogs(batch.reqs, deferred and not out.catch_up_tokens)
+        model = self.policy.cost_model
+        if model is not None:
+            bucket = batch_bucket(len(batch.reqs))
+            self.metrics.observe_cost(
+                bucket,
+                rung.steps,
+                model.seconds_per_request(bucket, rung),
+                model.predicted_tokens_per_second(bucket, rung),
+            )
         self.metrics.spec_adaptive_steps.set(self.policy.active.steps)
+
+    def _step_seconds(self, batch: ScheduledBatch, out: SpecStepOut) -> float:
+        """What the verify cost the engine, for the cost model: without overlap, the
+        whole step (scheduling, compute and processing: host work grows with the tokens
+        a step appends); under overlap the host hides behind compute, so compute alone.
+        A catch-up of deferred draft extends is left out (charged to plain steps)."""
+        if self.overlap:
+            return out.seconds
+        return time.perf_counter() - batch.scheduled_at - out.catch_up_seconds
+
+    def _count_backlogs(self, reqs: Sequence[Req], deferred: bool) -> None:
+        """Host-side mirror of the decoder's backlogs, for the cost model: a deferred
+        step adds a token to each; any other step (or a catch-up) empties them."""
+        for req in reqs:
+            if req.finished:  # released already: nothing left to count
+                continue
+            self._backlogs[req.rid] = self._backlogs.get(req.rid, 0) + 1 if deferred else 0
 
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
+        self._backlogs.pop(req.rid, None)
         self.compute.submit(self.decoder.drop, [req.rid])

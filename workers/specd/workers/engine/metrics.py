@@ -15,6 +15,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from specd.workers.rung import PlainReason
 from specd.workers.scheduler.step_stats import StepStats
 
 disable_created_metrics()  # no *_created series: they double the exposition for no use here
@@ -147,13 +148,25 @@ class EngineMetrics:
         )
         self.spec_enabled = gauge(
             "specd_spec_enabled",
-            "1 when the last verify batch speculated, 0 when it ran plain (rung 0 or load)",
+            "1 when the last verify batch speculated, 0 when it ran plain (rung, load or cost)",
         )
         self.spec_plain_steps = counter(
             "specd_spec_plain_steps",
-            "Verify batches run as plain decode (steps 0): reason rung (the active rung) or "
-            "load (policy.maxBatchForSpec)",
+            "Verify batches run as plain decode (steps 0): reason rung (the active rung), "
+            "load (policy.maxBatchForSpec) or cost (the cost model)",
             ["reason"],
+        )
+        self.spec_cost_seconds = gauge(
+            "specd_spec_cost_seconds_per_request",
+            "The cost model's EMA of a verify step's compute seconds per request, by batch "
+            "size bucket (the power of two at or above it) and rung steps (0 = plain)",
+            ["batch_bucket", "steps"],
+        )
+        self.spec_cost_predicted = gauge(
+            "specd_spec_cost_predicted_tokens_per_second",
+            "The cost model's predicted tokens per second per request: (1 + accepted "
+            "drafts) / seconds per request, by batch size bucket and rung steps",
+            ["batch_bucket", "steps"],
         )
         self.replica = replica
         for pool in ("token", "req_to_token"):  # export zeros: alerts see "no failures"
@@ -163,7 +176,7 @@ class EngineMetrics:
         self.engine_healthy.set(1)
         # Plain-number copies of the counters /admin/status reports (the operator's input)
         self.spec_totals = {"verify_steps": 0, "draft_tokens": 0, "accepted_tokens": 0}
-        self.spec_plain = {"rung": 0, "load": 0}
+        self.spec_plain = {reason.value: 0 for reason in PlainReason}
         self.leak_failures = 0
 
     def leak_check(self, pool: str, mode: str, ok: bool) -> None:
@@ -197,13 +210,22 @@ class EngineMetrics:
             for depth in range(1, n + 1):
                 self.spec_accepted_by_position.labels(self.replica, str(depth)).inc()
 
-    def observe_rung(self, speculated: bool, by_load: bool) -> None:
-        """Account one verify batch's rung: speculating, or plain and why."""
-        self.spec_enabled.set(1 if speculated else 0)
-        if not speculated:
-            reason = "load" if by_load else "rung"
-            self.spec_plain_steps.labels(self.replica, reason).inc()
-            self.spec_plain[reason] += 1
+    def observe_rung(self, plain_reason: PlainReason | None) -> None:
+        """Account one verify batch's rung: speculating (None), or plain and why."""
+        self.spec_enabled.set(1 if plain_reason is None else 0)
+        if plain_reason is not None:
+            self.spec_plain_steps.labels(self.replica, plain_reason.value).inc()
+            self.spec_plain[plain_reason.value] += 1
+
+    def observe_cost(
+        self, bucket: int, steps: int, seconds: float | None, predicted: float | None
+    ) -> None:
+        """Export the cost model's estimates for one (bucket, rung), once measured."""
+        labels = (self.replica, str(bucket), str(steps))
+        if seconds is not None:
+            self.spec_cost_seconds.labels(*labels).set(seconds)
+        if predicted is not None:
+            self.spec_cost_predicted.labels(*labels).set(predicted)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.workers.requests.request import Req
-from specd.workers.rung import Rung
+from specd.workers.rung import PlainReason, Rung
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,10 +22,11 @@ class ScheduledBatch:
     sample: tuple[bool, ...]
     verify: bool = False  # a speculative decode step (draft tree + verify), not an extend
     granted_lens: tuple[int, ...] = ()  # verify: allocated length each request was given
-    # verify: the rung it drafts with, fixed when scheduled (overlap keeps it), and
-    # whether the load policy made it plain; KV is sized for the widest rung regardless
+    # verify: the rung it drafts with, fixed when scheduled (overlap keeps it), and why
+    # it is plain (None: it speculates); KV is sized for the widest rung regardless
     rung: Rung | None = None
-    plain_by_load: bool = False
+    plain_reason: PlainReason | None = None
+    scheduled_at: float = 0.0  # verify: perf_counter() when scheduling it began (cost model)
     # overlap, plain decode: scheduled while the previous batch computes; each request's
     # input is the token that batch samples for it, read on the device (never on the host)
     decode_ahead: bool = False

@@ -22,8 +22,10 @@ The rule (``AdaptiveController``; field names are ``speculative.adaptive``'s):
   breaks the streak, and a move clears both.  The ladder clamps: up votes at the top
   rung (down votes at the bottom) move nothing.
 
-Load-aware (``speculative.policy.maxBatchForSpec``): a verify batch of more requests runs
-the plain rung instead of a speculating active rung.  Such batches do not feed the
+When a speculating rung is active, ``speculative.policy`` may still run a batch plain:
+the cost model (``cost_model.py``, the default) where it predicts more tokens per second
+from plain decode at the batch's size, or, when set, ``maxBatchForSpec``: a fixed
+threshold on the batch's requests that overrides it.  Such batches do not feed the
 controller: they measure the load, not the draft.
 """
 
@@ -31,7 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specd.workers.rung import PLAIN, Rung
+from specd.workers.rung import PLAIN, PlainReason, Rung
+from specd.workers.speculative.cost_model import CostModel
 
 
 class AdaptiveController:
@@ -96,7 +99,8 @@ class AdaptiveController:
 
 class SpecPolicy:
     """The engine's one place that picks a verify batch's rung: the adaptive controller's
-    active rung (or the one configured rung), or the plain rung under load.
+    active rung (or the one configured rung), or the plain rung where the cost model or
+    the load threshold says so.
 
     ``speculative`` is ``DeploymentSpec.speculative`` (``SpeculativeSpec``)."""
 
@@ -107,25 +111,49 @@ class SpecPolicy:
             if speculative.adaptive.enabled
             else None
         )
-        self.max_batch_for_spec = speculative.policy.max_batch_for_spec
+        policy = speculative.policy
+        self.max_batch_for_spec = policy.max_batch_for_spec
+        self.cost_model = CostModel(policy.cost_model) if policy.uses_cost_model else None
 
     @property
     def active(self) -> Rung:
         return self.controller.rung if self.controller is not None else self.fixed
 
-    def choose(self, batch_size: int) -> tuple[Rung, bool]:
-        """-> (the rung a verify batch of ``batch_size`` requests runs, whether the load
-        policy made it plain)."""
+    def choose(self, batch_size: int, backlog: float = 0.0) -> tuple[Rung, PlainReason | None]:
+        """-> (the rung a verify batch of ``batch_size`` requests runs, why it is plain;
+        None when it speculates).  ``backlog``: the mean tokens per request the draft has
+        not read (``deferred_extend.py``)."""
         rung = self.active
+        if not rung.speculates:
+            return rung, PlainReason.RUNG
         limit = self.max_batch_for_spec
-        if rung.speculates and limit is not None and batch_size > limit:
-            return PLAIN, True
-        return rung, False
+        if limit is not None and batch_size > limit:
+            return PLAIN, PlainReason.LOAD
+        model = self.cost_model
+        if model is not None and not model.choose(batch_size, rung, backlog).speculates:
+            return PLAIN, PlainReason.COST
+        return rung, None
 
-    def observe(self, rung: Rung, by_load: bool, accepted: Sequence[int]) -> None:
-        """Feed a processed batch's accepted drafts (probe hits on the plain rung)."""
-        if self.controller is not None and not by_load:
+    def observe(
+        self,
+        rung: Rung,
+        plain_reason: PlainReason | None,
+        accepted: Sequence[int],
+        seconds: float,
+        batch_size: int,
+    ) -> None:
+        """Feed a processed batch of ``batch_size`` requests: its accepted drafts per
+        request (probe hits on the plain rung, none when it skipped the probe) and its
+        compute seconds."""
+        if self.cost_model is not None:
+            self.cost_model.observe(batch_size, rung, seconds, accepted)
+        if self.controller is not None and plain_reason in (None, PlainReason.RUNG):
             self.controller.observe(rung, accepted)
+
+    def observe_catch_up(self, seconds: float, tokens: int) -> None:
+        """The draft caught up on ``tokens`` deferred by plain steps in ``seconds``."""
+        if self.cost_model is not None:
+            self.cost_model.observe_catch_up(seconds, tokens)
 
     def status(self) -> dict:
         rung, c = self.active, self.controller
@@ -139,4 +167,5 @@ class SpecPolicy:
             "batches": 0 if c is None else c.batches,
             "rung_changes": 0 if c is None else c.changes,
             "max_batch_for_spec": self.max_batch_for_spec,
+            "cost_model": None if self.cost_model is None else self.cost_model.status(),
         }

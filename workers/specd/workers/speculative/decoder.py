@@ -29,6 +29,7 @@ positions as the target's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ from specd.workers.runner.sampling import (
     request_generator,
     usable_probs,
 )
+from specd.workers.speculative.deferred_extend import Backlog
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.draft_loop import DraftInputs, DraftLoop
 from specd.workers.speculative.forced_accept import forced_accept
@@ -107,6 +109,9 @@ class SpecStepOut:
     logprobs: tuple = ()
     # indices of the requests whose logits were unusable (engine/request_faults.py)
     unusable: tuple[int, ...] = ()
+    seconds: float = 0.0  # the step's compute time, set by the executor (cost model)
+    catch_up_seconds: float = 0.0  # of which the draft reading deferred tokens took
+    catch_up_tokens: int = 0  # the deferred tokens it read
 
 
 class SpecDecoder:
@@ -137,7 +142,8 @@ class SpecDecoder:
         self.backend = backend
         self.device = device
         self.ops = ops  # tree structure, verify walk, KV index gathers and moves
-        self.states: dict[str, DraftState] = {}  # rid -> state; compute side only
+        # rid -> state, or the positions it has not read yet; compute side only
+        self.states: dict[str, DraftState | Backlog] = {}
         self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
@@ -201,11 +207,17 @@ class SpecDecoder:
 
     # -- one decode step -----------------------------------------------------
     @torch.inference_mode()
-    def step(self, reqs: list[Req], granted_lens: list[int], rung: Rung) -> SpecStepOut:
+    def step(
+        self, reqs: list[Req], granted_lens: list[int], rung: Rung, defer: bool = False
+    ) -> SpecStepOut:
         """Draft at ``rung``, verify and accept for ``reqs`` (``granted_lens``: the
         allocated length the scheduler gave each for this step, always sized for the
         widest rung); the draft then reads the accepted path, so the next step can start
-        from the new states without the host."""
+        from the new states without the host.  ``defer`` (plain rung only): no probe, and
+        the draft reads the new tokens later (``deferred_extend.py``)."""
+        if defer and rung.speculates:
+            raise ValueError(f"only the plain rung defers the draft's extend, not {rung}")
+        caught_up = (0.0, 0) if defer else self.catch_up(reqs)
         states = [self.states[r.rid] for r in reqs]
         roots = [s.root_position for s in states]
         rows = [r.kv.row for r in reqs]
@@ -217,12 +229,13 @@ class SpecDecoder:
             guide = DraftGuide.for_batch(reqs, self._draft_vocab) if self.guided_drafts else None
             tree = self._draft_tree(rows, states, layout, rung, guide)
         else:
-            guesses = self._draft_guesses(states)
+            guesses = None if defer else self._draft_guesses(states)
             tree = build_tree(self._root_tokens(states), [], 1, self.ops)
         hidden, features = self._verify_forward(rows, roots, tree)
         logits = self.target.compute_logits(hidden).view(len(reqs), tree.num_tokens, -1)
         result, unusable = self._accept(reqs, tree, logits)
-        self._move_accepted_kv(rows, roots, result)
+        if rung.speculates:  # a root-only verify wrote its one token in place
+            self._move_accepted_kv(rows, roots, result)
         features = features.view(len(reqs), tree.num_tokens, -1)
         seq_lens = SeqLens(roots, self.device)  # tokens before each root
         seq_lens.advance(result.num_new_tokens)
@@ -236,17 +249,61 @@ class SpecDecoder:
             probes = tuple((guesses == result.bonus_tokens).long().tolist())
         self.processors.record(reqs, tokens)
         logprobs = path_logprobs(reqs, logits, result.accept_index, tokens)
-        accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
-        outputs = self._extend_accepted(rung, accepted)
-        for req, root, toks, (feats, hidden_) in zip(reqs, new_roots, tokens, outputs, strict=True):
-            self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
+        if defer:
+            caught_up = self._defer_extend(reqs, roots, tokens, features)
+        else:
+            accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
+            outputs = self._extend_accepted(rung, accepted)
+            for req, root, toks, (feats, hidden_) in zip(
+                reqs, new_roots, tokens, outputs, strict=True
+            ):
+                self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
         return SpecStepOut(
             new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
             probes=probes,
             logprobs=logprobs,
             unusable=tuple(unusable.nonzero().flatten().tolist()),
+            catch_up_seconds=caught_up[0],
+            catch_up_tokens=caught_up[1],
         )
+
+    def _defer_extend(
+        self, reqs: list[Req], roots: list[int], tokens: list[list[int]], features: torch.Tensor
+    ) -> tuple[float, int]:
+        """A plain step's new token joins each request's backlog with the target's feature
+        at its root (``features``: [bs, 1, H]); once a backlog is full the whole batch
+        catches up -> that catch-up's (seconds, tokens read); zeros if none."""
+        root_features = features[:, 0].clone()  # [bs, H]; graph buffers are reused
+        for b, (req, root, toks) in enumerate(zip(reqs, roots, tokens, strict=True)):
+            state = self.states[req.rid]
+            backlog = state if isinstance(state, Backlog) else Backlog(root, (), ())
+            self.states[req.rid] = backlog.extended(toks[0], root_features[b])
+        if any(self.states[r.rid].full for r in reqs):
+            return self.catch_up(reqs)
+        return 0.0, 0
+
+    def catch_up(self, reqs: list[Req]) -> tuple[float, int]:
+        """The draft reads the backlogs of ``reqs`` in one extend, so each has a current
+        draft state again -> (the seconds it took, the tokens it read); zeros if nothing
+        was behind."""
+        behind = [(r, s) for r in reqs if isinstance(s := self.states[r.rid], Backlog)]
+        if not behind:
+            return 0.0, 0
+        start = time.perf_counter()
+        outputs = self._draft_extend(
+            [r.kv.row for r, _ in behind],
+            [b.start for _, b in behind],
+            [list(b.tokens) for _, b in behind],
+            [torch.stack(b.features) for _, b in behind],
+        )
+        for (req, backlog), (feats, hidden) in zip(behind, outputs, strict=True):
+            self.states[req.rid] = DraftState(
+                backlog.root_position, backlog.root_token, feats, hidden
+            )
+        if self.device.type == "cuda":  # timed apart from the step around it
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start, sum(len(b.tokens) for _, b in behind)
 
     def _extend_accepted(
         self, rung: Rung, accepted: AcceptedPaths
@@ -339,12 +396,12 @@ class SpecDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target over the T nodes of every tree, written at ``[root, root + T)`` ->
         (final hidden [bs*T, H], the draft's input features [bs*T, H])."""
+        # a root-only tree (the plain rung) needs no mask: it is a plain decode's attention
+        mask = (
+            tree_attention_mask_for_verify(tree, roots, self.ops) if tree.num_tokens > 1 else None
+        )
         _, out_loc, meta = extend_layout(  # the nodes' RoPE positions are root + depth
-            self.req_pool.req_to_token,
-            rows,
-            roots,
-            [tree.num_tokens] * len(rows),
-            tree_attention_mask_for_verify(tree, roots, self.ops),
+            self.req_pool.req_to_token, rows, roots, [tree.num_tokens] * len(rows), mask
         )
         positions = tree.positions(host_tensor(roots, self.device)).flatten()
         tokens = tree.tokens.flatten()

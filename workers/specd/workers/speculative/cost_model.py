@@ -1,0 +1,223 @@
+"""The cost model: whether a verify batch of this size speculates or runs plain (DESIGN §5).
+
+Plain Python, no torch.  The engine feeds it the compute seconds of every verify step
+(``SpecPolicy.observe``).  It keeps:
+
+* per batch-size bucket (``batch_bucket``) and rung, the median of the newest
+  ``COST_WINDOW`` step times per request (``StepCost``): a median, since one step that
+  met a page fault or a GC pause must not decide for long;
+* per speculating rung, an EMA (``emaAlpha``) of the accepted drafts per request, bonus
+  excluded (acceptance does not depend on the batch size);
+* an EMA of the seconds per token the draft took to catch up on deferred plain steps
+  (``deferred_extend.py``): a cost of plain steps that they do not pay themselves.
+
+A candidate's predicted throughput is::
+
+    tokens/s per request = (1 + accepted drafts) / seconds per request
+    plain:                 1 / (seconds per request + catch-up seconds per token)
+
+and a batch runs the candidate with the higher prediction.  The candidates are the rung
+the ladder offers (the adaptive controller's active rung, or the one configured) and the
+plain rung.  Worked example (illustrative numbers), batch 8: a chain of 3 steps costs
+9.1 ms per request and accepts 1.2 drafts -> 242 tokens/s; plain costs 3.5 ms -> 286
+tokens/s: plain wins.  At batch 1 the chain costs 30 ms and plain 15 ms: 73 against 67.
+
+A candidate the bucket has not measured runs first (an exploration): the speculating
+rung, then plain, until each has ``MIN_SAMPLES`` step times.  A rung's first step in a
+bucket is dropped: it may pay one-time costs (a kernel compile, a first plan).  The loser
+runs once more now and then (``rerun_loser``: after ``reexploreEvery`` decisions, backing
+off while it keeps losing), so a cost or an acceptance that changed (another workload, a
+warmer cache) can win back.
+
+Buckets are narrow (the sizes in one are within a quarter of each other) because a
+step's cost per request falls with the batch while its fixed part is shared: costs of
+the two candidates measured at sizes far apart would compare badly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specd.workers.rung import PLAIN, Rung
+
+FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
+MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
+COST_WINDOW = 3  # the newest step times whose median is the cost
+SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun is cheap
+MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
+
+
+@dataclass(slots=True)
+class Ema:
+    """An exponential moving average; the first sample seeds it."""
+
+    alpha: float
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self.alpha * (sample - self.value)
+
+
+@dataclass(slots=True)
+class StepCost:
+    """One (bucket, rung)'s step times per request: the median of the newest ones, once
+    there are ``MIN_SAMPLES`` past the dropped warm-up."""
+
+    seen: int = 0
+    window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+
+    def add(self, seconds_per_request: float) -> None:
+        self.seen += 1
+        if self.seen > FIRST_SAMPLES_DROPPED:
+            self.window.append(seconds_per_request)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.window) if len(self.window) >= MIN_SAMPLES else None
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The largest batch size of ``batch_size``'s bucket: each size up to 8, then four
+    buckets per doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so the sizes sharing a
+    bucket are within a quarter of its largest."""
+    quantum = 1 << max((batch_size - 1).bit_length() - 3, 0)
+    return -(-batch_size // quantum) * quantum
+
+
+class CostModel:
+    """Measured step costs and acceptance -> speculate or not, per batch-size bucket.
+
+    ``params`` is ``speculative.policy.costModel`` (``CostModelSpec``)."""
+
+    def __init__(self, params):
+        self.params = params
+        self._costs: dict[tuple[int, Rung], StepCost] = {}  # (bucket, rung) -> s/request
+        self._accepted: dict[Rung, Ema] = {}  # speculating rung -> accepted drafts
+        self._catch_up = Ema(params.ema_alpha)  # draft seconds per deferred token
+        self._decisions: dict[int, int] = {}  # bucket -> decisions made on measurements
+        self._best: dict[int, Rung] = {}  # bucket -> its last decision's winner
+        self._last_rerun: dict[int, int] = {}  # bucket -> decisions made at its last rerun
+        self._interval: dict[int, int] = {}  # bucket -> decisions between its reruns
+        self.explorations = 0
+
+    def seconds_per_request(self, bucket: int, rung: Rung) -> float | None:
+        """A verify step's measured seconds per request; plain's includes the draft's
+        catch-up on the tokens it deferred."""
+        cost = self._costs.get((bucket, rung))
+        seconds = None if cost is None else cost.value
+        if seconds is None or rung.speculates:
+            return seconds
+        return seconds + (self._catch_up.value or 0.0)
+
+    def accepted_drafts(self, rung: Rung) -> float | None:
+        if not rung.speculates:
+            return 0.0
+        ema = self._accepted.get(rung)
+        return None if ema is None else ema.value
+
+    def predicted_tokens_per_second(self, bucket: int, rung: Rung) -> float | None:
+        """Tokens per second per request if a batch of ``bucket`` ran ``rung``; None
+        until both the step's cost and the rung's acceptance are measured."""
+        seconds = self.seconds_per_request(bucket, rung)
+        accepted = self.accepted_drafts(rung)
+        if seconds is None or accepted is None:
+            return None
+        return (1.0 + accepted) / seconds
+
+    def choose(self, batch_size: int, rung: Rung, backlog: float = 0.0) -> Rung:
+        """``rung`` (a speculating one) or ``PLAIN`` for a verify batch of ``batch_size``
+        whose requests have a mean of ``backlog`` tokens the draft has not read."""
+        bucket = batch_bucket(batch_size)
+        speculated = self.predicted_tokens_per_second(bucket, rung)
+        plain = self.predicted_tokens_per_second(bucket, PLAIN)
+        if speculated is None:
+            return self._explore(rung)
+        if plain is None:
+            return self._explore(PLAIN)
+        best, loser = (rung, PLAIN) if speculated >= plain else (PLAIN, rung)
+        every = self.params.reexplore_every
+        if self._best.get(bucket, best) != best:  # the winner changed: rerun soon again
+            self._interval[bucket] = every
+        self._best[bucket] = best
+        self._decisions[bucket] = self._decisions.get(bucket, 0) + 1
+        if self.rerun_loser(bucket, loser, backlog):
+            self._last_rerun[bucket] = self._decisions[bucket]
+            self._interval[bucket] = min(2 * self._interval.get(bucket, every), MAX_BACKOFF * every)
+            return self._explore(loser)
+        return best
+
+    def rerun_loser(self, bucket: int, loser: Rung, backlog: float) -> bool:
+        """Whether the loser runs once more: ``reexploreEvery`` decisions after the
+        winner last changed, then twice as long after each rerun it lost (up to
+        ``MAX_BACKOFF`` times), since a rerun of a speculating loser at a large batch
+        can cost several plain steps.  A speculating loser also waits for a batch whose
+        backlog is short (up to as long again): speculating makes the draft read every
+        request's backlog first."""
+        since = self._decisions[bucket] - self._last_rerun.get(bucket, 0)
+        interval = self._interval.get(bucket, self.params.reexplore_every)
+        if not loser.speculates:
+            return since >= interval
+        return since >= 2 * interval or (since >= interval and backlog <= SHORT_BACKLOG)
+
+    def _explore(self, rung: Rung) -> Rung:
+        self.explorations += 1
+        return rung
+
+    def observe(self, batch_size: int, rung: Rung, seconds: float, accepted: Sequence[int]) -> None:
+        """One verify step of ``batch_size`` requests at ``rung`` took ``seconds`` of
+        compute; ``accepted``: its accepted drafts per request (ignored on the plain rung)."""
+        if batch_size <= 0 or not seconds > 0:
+            return
+        key = (batch_bucket(batch_size), rung)
+        self._costs.setdefault(key, StepCost()).add(seconds / batch_size)
+        if rung.speculates and accepted:
+            ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
+            ema.add(sum(accepted) / len(accepted))
+
+    def observe_catch_up(self, seconds: float, tokens: int) -> None:
+        """The draft read ``tokens`` deferred tokens in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self._catch_up.add(seconds / tokens)
+
+    def status(self) -> dict:
+        """Per bucket measured so far: each rung's cost and prediction, and the winner."""
+        buckets = sorted({b for b, _ in self._costs})
+        return {
+            "explorations": self.explorations,
+            "catch_up_seconds_per_token": _rounded(self._catch_up.value, 7),
+            "accepted_drafts": [
+                {**_rung_fields(r), "accepted_drafts": _rounded(e.value)}
+                for r, e in sorted(self._accepted.items(), key=lambda item: item[0].steps)
+            ],
+            "buckets": [self._bucket_status(b) for b in buckets],
+        }
+
+    def _bucket_status(self, bucket: int) -> dict:
+        rungs = sorted({r for b, r in self._costs if b == bucket}, key=lambda r: r.steps)
+        return {
+            "max_batch": bucket,
+            "decisions": self._decisions.get(bucket, 0),
+            "best_steps": None if bucket not in self._best else self._best[bucket].steps,
+            "rungs": [
+                {
+                    **_rung_fields(r),
+                    "seconds_per_request": _rounded(self.seconds_per_request(bucket, r), 7),
+                    "tokens_per_second": _rounded(self.predicted_tokens_per_second(bucket, r), 2),
+                }
+                for r in rungs
+            ],
+        }
+
+
+def _rung_fields(rung: Rung) -> dict:
+    return {"steps": rung.steps, "topk": rung.topk, "draft_tokens": rung.draft_tokens}
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)

@@ -1,0 +1,407 @@
+"""The cost model (speculative/cost_model.py): speculate or run plain, per batch size, from
+measured step costs and acceptance; and engines that follow it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from specd.devtools.testing import (
+    DEMO_EAGLE,
+    DEMO_MODELS,
+    DEMO_TARGET,
+    check_exact_run,
+    check_leak_free,
+    collect,
+    hf_greedy,
+    metric_value,
+    random_prompts,
+    run_all,
+    start_engine,
+    start_spec_engine,
+)
+from specd.workers.config import ConfigError, CostModelSpec, spec_for_model
+from specd.workers.engine.executors import spec_graph_rungs
+from specd.workers.rung import PLAIN, PlainReason, Rung
+from specd.workers.speculative.adaptive import SpecPolicy
+from specd.workers.speculative.cost_model import (
+    COST_WINDOW,
+    MIN_SAMPLES,
+    SHORT_BACKLOG,
+    CostModel,
+    StepCost,
+    batch_bucket,
+)
+from specd.workers.speculative.decoder import DraftState
+from specd.workers.speculative.deferred_extend import CATCH_UP_AT
+from specd.workers.types import GenerateRequest, SamplingParams
+
+CHAIN = Rung(3, 1, 4)
+
+
+@pytest.mark.parametrize(
+    "size,bucket",
+    [(1, 1), (2, 2), (7, 7), (8, 8), (9, 10), (10, 10), (15, 16), (17, 20), (32, 32),
+     (33, 40), (100, 112), (256, 256), (257, 320)],
+)  # fmt: skip
+def test_batch_buckets_hold_sizes_within_a_quarter(size, bucket):
+    assert batch_bucket(size) == bucket
+    members = [n for n in range(1, 600) if batch_bucket(n) == bucket]
+    assert members[-1] == bucket and members[0] >= 0.75 * bucket
+
+
+def test_step_cost_drops_the_warmup_step_and_takes_the_median():
+    cost = StepCost()
+    cost.add(100.0)  # a first step paying a compile
+    cost.add(2.0)
+    assert cost.value is None  # one sample is not a measurement yet
+    cost.add(4.0)
+    assert cost.value == pytest.approx(3.0)
+    for _ in range(4):
+        cost.add(3.5)
+    cost.add(90.0)  # a step that met a GC pause moves the median little
+    assert cost.value == pytest.approx(3.5)
+    assert len(cost.window) == COST_WINDOW
+
+
+def drive(
+    model: CostModel, size: int, costs, accepted: float, rung: Rung = CHAIN, backlog=0.0
+) -> Rung:
+    """One decision for a batch of ``size`` and its observation: ``costs(size, rung)`` is
+    the step's seconds, every request accepts ``accepted`` drafts when it speculates."""
+    chosen = model.choose(size, rung, backlog)
+    model.observe(size, chosen, costs(size, chosen), [accepted] * size)
+    return chosen
+
+
+def test_explores_each_candidate_then_runs_the_faster():
+    """A new bucket runs the rung until its cost (past the warm-up step) and acceptance
+    are known, then plain likewise, then the prediction's winner."""
+    model = CostModel(CostModelSpec())
+
+    def costs(size, rung):
+        return size * (0.030 if rung.speculates else 0.010)  # spec 3x the cost of plain
+
+    runs = [drive(model, 1, costs, accepted=1.0) for _ in range(8)]
+    assert runs == [CHAIN] * 3 + [PLAIN] * 5  # warm-up + 2 samples each; 2/0.03 < 1/0.01
+    assert model.explorations == 6
+    assert model.predicted_tokens_per_second(1, CHAIN) == pytest.approx(2 / 0.030)
+    assert model.predicted_tokens_per_second(1, PLAIN) == pytest.approx(1 / 0.010)
+    bucket = model.status()["buckets"][0]
+    assert bucket["max_batch"] == 1 and bucket["best_steps"] == 0 and bucket["decisions"] == 2
+
+
+def test_a_batch_growing_from_1_to_32_switches_where_the_costs_say():
+    """Verify cost grows with the batch's tokens (B * T), plain's with B: speculation
+    (2.5 tokens per step) wins while (1 + 1.5) / verify > 1 / plain per request, i.e. up
+    to the batch where the measured costs cross; the model switches there."""
+
+    def costs(size, rung):
+        fixed, per_token = 0.0205, 0.002  # seconds per step, per token in it
+        return fixed + per_token * size * rung.draft_tokens
+
+    def speculation_pays(size):
+        return 2.5 / costs(size, CHAIN) > 1 / costs(size, PLAIN)
+
+    model = CostModel(CostModelSpec())
+    decided = {}
+    for size in range(1, 33):
+        runs = [drive(model, size, costs, accepted=1.5) for _ in range(8)]
+        decided[size] = runs[-1]
+    assert {n: decided[n].speculates for n in decided} == {n: speculation_pays(n) for n in decided}
+    # 2.5 (0.0205 + 0.002n) = 0.0205 + 0.008n at n = 10.25
+    assert [n for n in decided if not decided[n].speculates] == list(range(11, 33))
+
+
+def spec_runs(model, costs, n, backlog=0.0) -> list[int]:
+    """The decisions (1-based) among the next ``n`` that ran the speculating rung."""
+    runs = [drive(model, 1, costs, accepted=2.0, backlog=backlog) for _ in range(n)]
+    return [i + 1 for i, r in enumerate(runs) if r.speculates]
+
+
+def test_reexplores_the_loser_backing_off_and_follows_a_changed_cost():
+    """Plain wins: the rung reruns after reexploreEvery decisions, then twice as long
+    after each rerun it loses; with long backlogs it waits twice as long again.  Once
+    speculation got cheaper (a warmer cache, another kernel) two reruns bring it back,
+    and plain, now the loser, reruns after reexploreEvery decisions."""
+    model = CostModel(CostModelSpec(reexplore_every=4))
+    spec_cost = [0.050]
+
+    def costs(size, rung):
+        return spec_cost[0] if rung.speculates else 0.010
+
+    for _ in range(6):  # explorations
+        drive(model, 1, costs, accepted=2.0)
+    assert spec_runs(model, costs, 30, backlog=SHORT_BACKLOG) == [4, 12, 28]  # 4, 8, 16
+    # interval now 32: with long backlogs, 2 x 32 decisions after the rerun at 28 (of 30)
+    assert spec_runs(model, costs, 70, backlog=SHORT_BACKLOG + 1) == [64 - 2]
+    spec_cost[0] = 0.012  # 3 tokens / 12 ms beats 1 / 10 ms
+    later = spec_runs(model, costs, 200)
+    # reruns 64 apart now (the cap, 16 x 4); the second one turns the median of three
+    assert later[:3] == [56, 120, 121]
+    assert len(later) > 70  # speculating from then on but for plain's reruns
+    assert model.status()["buckets"][0]["best_steps"] == 3
+    plain_reruns = [i for i in range(later[1] + 1, 201) if i not in later]
+    assert plain_reruns[:2] == [later[1] + 4, later[1] + 12]  # the backoff starts over
+
+
+def test_policy_cost_model_and_its_override():
+    def policy_for(**policy):
+        spec = spec_for_model(
+            "t", draft={"path": "d"}, speculative={"numSteps": 3, "policy": policy}
+        )
+        return SpecPolicy(spec.speculative), spec.speculative
+
+    policy, speculative = policy_for()
+    assert policy.cost_model is not None  # on by default
+    assert PLAIN in spec_graph_rungs(speculative)
+    assert policy.choose(1) == (CHAIN, None)  # exploring
+    for _ in range(3):
+        policy.observe(CHAIN, None, [0], 0.030, 1)
+    assert policy.choose(1) == (PLAIN, PlainReason.COST)  # exploring plain
+    assert policy.status()["cost_model"]["explorations"] == 2
+    policy, speculative = policy_for(maxBatchForSpec=4)  # a hand-set threshold overrides
+    assert policy.cost_model is None and policy.status()["cost_model"] is None
+    assert policy.choose(5) == (PLAIN, PlainReason.LOAD)
+    policy, speculative = policy_for(costModel={"enabled": False})
+    assert policy.cost_model is None and spec_graph_rungs(speculative) == [CHAIN]
+    assert policy.choose(64) == (CHAIN, None)
+
+
+@pytest.mark.parametrize(
+    "policy,message",
+    [
+        ({"costModel": {"emaAlpha": 0}}, "spec.speculative.policy.costModel.emaAlpha"),
+        ({"costModel": {"reexploreEvery": 1}}, "spec.speculative.policy.costModel.reexploreEvery"),
+        ({"costModel": {"budget": 1}}, "spec.speculative.policy.costModel.budget"),
+    ],
+)
+def test_bad_cost_model_settings_name_the_field(policy, message):
+    with pytest.raises(ConfigError, match=message):
+        spec_for_model("t", draft={"path": "d"}, speculative={"policy": policy})
+
+
+# -- engines --------------------------------------------------------------------------
+MAX_NEW = 24
+
+
+def cost_engine(target, draft, overlap=False):
+    """A speculative engine with the default policy (the cost model on)."""
+    return start_engine(
+        target,
+        kvCache={"pageSize": 1, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16, "overlap": overlap},
+        draft={"path": draft},
+        speculative={"numSteps": 3, "policy": {}},
+        debug={"strictMemCheck": 1},
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_draft_that_never_matches_runs_plain_after_warmup(pair, overlap):
+    """The random draft accepts (nearly) nothing: after exploring, verify batches run
+    plain (reason cost) and the output stays the target's."""
+    prompts = random_prompts(4, 300, seed=5)
+    expected = hf_greedy(pair[0], prompts, MAX_NEW)
+    engine = cost_engine(pair[0], pair[1], overlap)
+    check_exact_run(engine, prompts, expected, MAX_NEW)  # shuts the engine down
+    status = engine.status().adaptive
+    model = status.cost_model
+    assert status.plain_steps.cost > 0 and status.plain_steps.load == 0
+    assert metric_value(engine, "specd_spec_plain_steps_total", reason="cost") > 0
+    for bucket in model.buckets:
+        if bucket.decisions:
+            assert bucket.best_steps == 0, model
+    plain = [r for b in model.buckets for r in b.rungs if r.steps == 0]
+    assert plain and all(r.seconds_per_request > 0 for r in plain if r.seconds_per_request)
+    assert metric_value(engine, "specd_spec_cost_seconds_per_request", steps="0") > 0
+    # only explorations speculated: 3 drafts for each of their (at most 4) requests
+    drafted = metric_value(engine, "specd_spec_draft_tokens_total")
+    assert 0 < drafted <= 3 * 4 * model.explorations
+
+
+def test_a_draft_that_predicts_the_text_keeps_speculating():
+    """The shipped trained pair on a prompt it continues as '#' lines accepts nearly all
+    drafts: speculation predicts more tokens per second and keeps running."""
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    engine = cost_engine(DEMO_TARGET, DEMO_EAGLE)
+    try:
+        [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
+        status = engine.status().adaptive
+    finally:
+        engine.shutdown()
+    assert len(tokens) == 96
+    [bucket] = status.cost_model.buckets
+    assert bucket.best_steps == 3, status.cost_model
+    [accepted] = status.cost_model.accepted_drafts
+    assert accepted.accepted_drafts > 2.0
+    # plain ran only to be measured: warm-up + MIN_SAMPLES, and the reruns
+    assert status.plain_steps.cost <= 1 + MIN_SAMPLES + bucket.decisions // 64
+
+
+# -- deferred draft extends (speculative/deferred_extend.py) ------------------------------
+def run_lengths(engine, prompts, lengths):
+    """Each prompt at once with its own output length -> each one's tokens."""
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                collect(engine, f"r{i}", p, max_tokens=n, ignore_eos=True)
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            )
+        )
+
+    return [tokens for tokens, _, _ in asyncio.run(go())]
+
+
+@pytest.mark.parametrize(
+    "page_size,topk,overlap",
+    [(1, 1, False), (16, 4, True), pytest.param(16, 1, False, marks=pytest.mark.slow)],
+    ids=["page1-chain", "page16-tree-overlap", "page16-chain"],
+)
+def test_plain_steps_under_load_defer_the_draft_and_catch_up(pair, page_size, topk, overlap):
+    """Four requests over maxBatchForSpec 2 run plain with the draft deferred, past a full
+    backlog (a catch-up mid-run); when two finish, the other two catch up and speculate.
+    Output equals transformers' greedy; strict leak checks pass."""
+    prompts = random_prompts(4, 300, seed=21)
+    lengths = [CATCH_UP_AT + 6, CATCH_UP_AT + 6, CATCH_UP_AT + 40, CATCH_UP_AT + 40]
+    expected = hf_greedy(pair[0], prompts, max(lengths))
+    engine = start_spec_engine(
+        pair[0],
+        pair[1],
+        page_size=page_size,
+        topk=topk,
+        overlap=overlap,
+        policy={"maxBatchForSpec": 2},
+    )
+    try:
+        outputs = run_lengths(engine, prompts, lengths)
+        assert outputs == [e[:n] for e, n in zip(expected, lengths, strict=True)]
+        check_leak_free(engine)
+        assert engine.status().adaptive.plain_steps.load >= CATCH_UP_AT
+        assert metric_value(engine, "specd_spec_draft_tokens_total") > 0  # spoke again
+    finally:
+        engine.shutdown()
+
+
+def record_draft_states(engine, rid: str) -> dict[int, torch.Tensor]:
+    """After every verify step: ``rid``'s draft state, by its root position, when current
+    (a backlog has none) -> {root position: the draft's logit hidden}."""
+    decoder, seen = engine.executor.decoder, {}
+    step = decoder.step
+
+    def recording(*args, **kwargs):
+        out = step(*args, **kwargs)
+        state = decoder.states.get(rid)
+        if isinstance(state, DraftState):
+            seen[state.root_position] = state.logit_hidden.clone()
+        return out
+
+    decoder.step = recording
+    return seen
+
+
+def test_a_caught_up_draft_is_the_step_by_step_draft():
+    """The trained pair on its repetitive prompt: two requests run plain (load) with the
+    draft deferred, past a full backlog; the longer one then catches up and speculates
+    alone.  Its draft state at every root position equals the one a draft that read each
+    token at once had there (the plain rung of a ladder of one), its drafts are accepted
+    as usual, and its output is plain decode's."""
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    lengths = [CATCH_UP_AT + 16, CATCH_UP_AT + 80]
+    fields = dict(kvCache={"pageSize": 4}, draft={"path": DEMO_EAGLE}, debug={"strictMemCheck": 1})
+    step_by_step = start_engine(
+        DEMO_TARGET,
+        speculative={"numSteps": 3, "adaptive": {"enabled": True, "candidateSteps": [0]}},
+        **fields,
+    )
+    try:
+        reference = record_draft_states(step_by_step, "r1")
+        expected = run_lengths(step_by_step, [prompt, prompt], lengths)
+    finally:
+        step_by_step.shutdown()
+    engine = start_engine(
+        DEMO_TARGET, speculative={"numSteps": 3, "policy": {"maxBatchForSpec": 1}}, **fields
+    )
+    try:
+        deferred = record_draft_states(engine, "r1")
+        assert run_lengths(engine, [prompt, prompt], lengths) == expected
+        drafted = metric_value(engine, "specd_spec_draft_tokens_total")
+        accepted = metric_value(engine, "specd_spec_accepted_tokens_total")
+        check_leak_free(engine)
+    finally:
+        engine.shutdown()
+    first = min(deferred)  # the first current state: after the mid-run catch-up
+    assert len(prompt) + CATCH_UP_AT - 1 <= first < len(prompt) + lengths[0]
+    assert len(deferred) > 10 and set(deferred) <= set(reference)
+    for position, hidden in deferred.items():
+        torch.testing.assert_close(hidden, reference[position], atol=1e-4, rtol=1e-4)
+    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)
+
+
+def test_the_draft_catch_up_is_charged_to_plain():
+    """Plain steps defer the draft's work; what its catch-up costs per token is added to
+    plain's cost per request, and can turn the decision."""
+    model = CostModel(CostModelSpec())
+
+    def costs(size, rung):
+        return size * (0.030 if rung.speculates else 0.012)  # 2/0.030 < 1/0.012
+
+    for _ in range(8):
+        drive(model, 1, costs, accepted=1.0)
+    assert model.status()["buckets"][0]["best_steps"] == 0
+    model.observe_catch_up(seconds=64 * 0.004, tokens=64)  # 4 ms per deferred token
+    assert model.seconds_per_request(1, PLAIN) == pytest.approx(0.016)
+    assert drive(model, 1, costs, accepted=1.0) == CHAIN  # 2/0.030 > 1/0.016
+
+
+def test_nonsense_timings_are_ignored():
+    model = CostModel(CostModelSpec())
+    for seconds in (0.0, -1.0, float("nan")):
+        model.observe(4, CHAIN, seconds, [1, 1, 1, 1])
+    model.observe(0, CHAIN, 0.01, [])
+    model.observe_catch_up(float("nan"), 64)
+    model.observe_catch_up(0.01, 0)
+    assert model.status()["buckets"] == [] and model.status()["catch_up_seconds_per_token"] is None
+
+
+def test_an_abort_in_a_deferred_batch_leaves_the_others_exact(pair):
+    """Three requests over maxBatchForSpec 1 run plain with backlogs; one is aborted
+    mid-run: its backlog goes with it, the others catch up and finish exactly."""
+    prompts = random_prompts(3, 300, seed=33)
+    expected = hf_greedy(pair[0], prompts, 60)
+    engine = start_spec_engine(pair[0], pair[1], overlap=True, policy={"maxBatchForSpec": 1})
+
+    async def go():
+        async def victim():
+            seen = 0
+            async for delta in engine.generate(
+                GenerateRequest(
+                    "r0", tuple(prompts[0]), SamplingParams(max_tokens=60, ignore_eos=True)
+                )
+            ):
+                seen += len(delta.token_ids)
+                if seen >= 10:
+                    engine.abort("r0")
+            return seen
+
+        others = [
+            collect(engine, f"r{i}", prompts[i], max_tokens=60 - 20 * (i - 1), ignore_eos=True)
+            for i in (1, 2)
+        ]
+        return await asyncio.gather(victim(), *others)
+
+    try:
+        seen, (one, _, _), (two, _, _) = asyncio.run(go())
+        assert 10 <= seen < 60
+        assert one == expected[1] and two == expected[2][:40]
+        check_leak_free(engine)
+        assert engine.status().adaptive.plain_steps.load > 0
+        assert metric_value(engine, "specd_spec_draft_tokens_total") > 0
+    finally:
+        engine.shutdown()
