@@ -397,9 +397,9 @@ class SpecDecoder:
         """Target over the T nodes of every tree, written at ``[root, root + T)`` ->
         (final hidden [bs*T, H], the draft's input features [bs*T, H])."""
         # a root-only tree (the plain rung) needs no mask: it is a plain decode's attention
-        mask = (
-            tree_attention_mask_for_verify(tree, roots, self.ops) if tree.num_tokens > 1 else None
-        )
+        # (the torch backend's masked path costs twice as much); graphs hold the masked plan
+        root_only = tree.num_tokens == 1 and self.graphs is None
+        mask = None if root_only else tree_attention_mask_for_verify(tree, roots, self.ops)
         _, out_loc, meta = extend_layout(  # the nodes' RoPE positions are root + depth
             self.req_pool.req_to_token, rows, roots, [tree.num_tokens] * len(rows), mask
         )
