@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specd.workers.rung import PLAIN, PlainReason, Rung
-from specd.workers.speculative.cost_model import CostModel
+from specd.workers.speculative.cost_model import CostModel, Ema
 
 
 class AdaptiveController:
@@ -48,7 +48,7 @@ class AdaptiveController:
         self.ladder = tuple(ladder)
         self.index = self.ladder.index(initial)
         self.params = params
-        self.rate: float | None = None  # EMA of accepted drafts / steps
+        self._rate = Ema(params.ema_alpha)  # of accepted drafts / steps
         self.batches = 0  # verify batches observed
         self.changes = 0  # rung moves so far
         self._up_votes = 0
@@ -57,6 +57,11 @@ class AdaptiveController:
     @property
     def rung(self) -> Rung:
         return self.ladder[self.index]
+
+    @property
+    def rate(self) -> float | None:
+        """The acceptance rate: an EMA of accepted drafts / steps (None before any)."""
+        return self._rate.value
 
     @property
     def ema(self) -> float | None:
@@ -68,11 +73,7 @@ class AdaptiveController:
         or 1, on the plain rung).  Returns True when the active rung moved."""
         if not accepted:
             return False
-        observation = sum(accepted) / len(accepted) / max(rung.steps, 1)
-        if self.rate is None:
-            self.rate = observation
-        else:
-            self.rate += self.params.ema_alpha * (observation - self.rate)
+        self._rate.add(sum(accepted) / len(accepted) / max(rung.steps, 1))
         self.batches += 1
         after_warmup = self.batches - self.params.warmup_batches
         if after_warmup <= 0 or after_warmup % self.params.update_interval:

@@ -67,19 +67,29 @@ class Ema:
 @dataclass(slots=True)
 class StepCost:
     """One (bucket, rung)'s step times per request: the median of the newest ones, once
-    there are ``MIN_SAMPLES`` past the dropped warm-up."""
+    there are ``MIN_SAMPLES`` past the dropped warm-up (kept as ``value``)."""
 
     seen: int = 0
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    value: float | None = None
 
     def add(self, seconds_per_request: float) -> None:
         self.seen += 1
         if self.seen > FIRST_SAMPLES_DROPPED:
             self.window.append(seconds_per_request)
+            if len(self.window) >= MIN_SAMPLES:
+                self.value = statistics.median(self.window)
 
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.window) if len(self.window) >= MIN_SAMPLES else None
+
+@dataclass(slots=True)
+class Bucket:
+    """One batch-size bucket: its rungs' costs and its decisions so far."""
+
+    costs: dict[Rung, StepCost] = field(default_factory=dict)
+    decisions: int = 0  # made on measurements (explorations not counted)
+    best: Rung | None = None  # the last decision's winner
+    last_rerun: int = 0  # decisions made at the loser's last rerun
+    interval: int = 0  # decisions between the loser's reruns (0: reexploreEvery)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -97,19 +107,16 @@ class CostModel:
 
     def __init__(self, params):
         self.params = params
-        self._costs: dict[tuple[int, Rung], StepCost] = {}  # (bucket, rung) -> s/request
+        self._buckets: dict[int, Bucket] = {}  # by largest batch size
         self._accepted: dict[Rung, Ema] = {}  # speculating rung -> accepted drafts
         self._catch_up = Ema(params.ema_alpha)  # draft seconds per deferred token
-        self._decisions: dict[int, int] = {}  # bucket -> decisions made on measurements
-        self._best: dict[int, Rung] = {}  # bucket -> its last decision's winner
-        self._last_rerun: dict[int, int] = {}  # bucket -> decisions made at its last rerun
-        self._interval: dict[int, int] = {}  # bucket -> decisions between its reruns
         self.explorations = 0
 
     def seconds_per_request(self, bucket: int, rung: Rung) -> float | None:
         """A verify step's measured seconds per request; plain's includes the draft's
         catch-up on the tokens it deferred."""
-        cost = self._costs.get((bucket, rung))
+        state = self._buckets.get(bucket)
+        cost = None if state is None else state.costs.get(rung)
         seconds = None if cost is None else cost.value
         if seconds is None or rung.speculates:
             return seconds
@@ -141,26 +148,27 @@ class CostModel:
         if plain is None:
             return self._explore(PLAIN)
         best, loser = (rung, PLAIN) if speculated >= plain else (PLAIN, rung)
+        state = self._buckets[bucket]
         every = self.params.reexplore_every
-        if self._best.get(bucket, best) != best:  # the winner changed: rerun soon again
-            self._interval[bucket] = every
-        self._best[bucket] = best
-        self._decisions[bucket] = self._decisions.get(bucket, 0) + 1
-        if self.rerun_loser(bucket, loser, backlog):
-            self._last_rerun[bucket] = self._decisions[bucket]
-            self._interval[bucket] = min(2 * self._interval.get(bucket, every), MAX_BACKOFF * every)
+        if state.best not in (None, best):  # the winner changed: rerun soon again
+            state.interval = every
+        state.best = best
+        state.decisions += 1
+        if self.rerun_loser(state, loser, backlog):
+            state.last_rerun = state.decisions
+            state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
             return self._explore(loser)
         return best
 
-    def rerun_loser(self, bucket: int, loser: Rung, backlog: float) -> bool:
+    def rerun_loser(self, state: Bucket, loser: Rung, backlog: float) -> bool:
         """Whether the loser runs once more: ``reexploreEvery`` decisions after the
         winner last changed, then twice as long after each rerun it lost (up to
         ``MAX_BACKOFF`` times), since a rerun of a speculating loser at a large batch
         can cost several plain steps.  A speculating loser also waits for a batch whose
         backlog is short (up to as long again): speculating makes the draft read every
         request's backlog first."""
-        since = self._decisions[bucket] - self._last_rerun.get(bucket, 0)
-        interval = self._interval.get(bucket, self.params.reexplore_every)
+        since = state.decisions - state.last_rerun
+        interval = state.interval or self.params.reexplore_every
         if not loser.speculates:
             return since >= interval
         return since >= 2 * interval or (since >= interval and backlog <= SHORT_BACKLOG)
@@ -174,8 +182,8 @@ class CostModel:
         compute; ``accepted``: its accepted drafts per request (ignored on the plain rung)."""
         if batch_size <= 0 or not seconds > 0:
             return
-        key = (batch_bucket(batch_size), rung)
-        self._costs.setdefault(key, StepCost()).add(seconds / batch_size)
+        state = self._buckets.setdefault(batch_bucket(batch_size), Bucket())
+        state.costs.setdefault(rung, StepCost()).add(seconds / batch_size)
         if rung.speculates and accepted:
             ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
             ema.add(sum(accepted) / len(accepted))
@@ -187,7 +195,6 @@ class CostModel:
 
     def status(self) -> dict:
         """Per bucket measured so far: each rung's cost and prediction, and the winner."""
-        buckets = sorted({b for b, _ in self._costs})
         return {
             "explorations": self.explorations,
             "catch_up_seconds_per_token": _rounded(self._catch_up.value, 7),
@@ -195,22 +202,22 @@ class CostModel:
                 {**_rung_fields(r), "accepted_drafts": _rounded(e.value)}
                 for r, e in sorted(self._accepted.items(), key=lambda item: item[0].steps)
             ],
-            "buckets": [self._bucket_status(b) for b in buckets],
+            "buckets": [self._bucket_status(b) for b in sorted(self._buckets)],
         }
 
     def _bucket_status(self, bucket: int) -> dict:
-        rungs = sorted({r for b, r in self._costs if b == bucket}, key=lambda r: r.steps)
+        state = self._buckets[bucket]
         return {
             "max_batch": bucket,
-            "decisions": self._decisions.get(bucket, 0),
-            "best_steps": None if bucket not in self._best else self._best[bucket].steps,
+            "decisions": state.decisions,
+            "best_steps": None if state.best is None else state.best.steps,
             "rungs": [
                 {
                     **_rung_fields(r),
                     "seconds_per_request": _rounded(self.seconds_per_request(bucket, r), 7),
                     "tokens_per_second": _rounded(self.predicted_tokens_per_second(bucket, r), 2),
                 }
-                for r in rungs
+                for r in sorted(state.costs, key=lambda r: r.steps)
             ],
         }
 
