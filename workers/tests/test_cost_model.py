@@ -16,6 +16,7 @@ from specd.devtools.testing import (
     check_exact_run,
     check_leak_free,
     collect,
+    demo_prompts,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -405,3 +406,124 @@ def test_an_abort_in_a_deferred_batch_leaves_the_others_exact(pair):
         assert metric_value(engine, "specd_spec_draft_tokens_total") > 0
     finally:
         engine.shutdown()
+
+
+# -- plain decodes in prefill steps (Scheduler._plain_decodes) ------------------------------
+def record_extend_batches(engine) -> list:
+    """Every prefill step the executor submits, as scheduled."""
+    executor, seen = engine.executor, []
+    submit = executor.submit
+
+    def recording(batch):
+        if not batch.verify:
+            seen.append(batch)
+        return submit(batch)
+
+    executor.submit = recording
+    return seen
+
+
+def record_catch_ups(engine) -> list[int]:
+    """The tokens each catch-up of the draft read."""
+    decoder, read = engine.executor.decoder, []
+    catch_up = decoder.catch_up
+
+    def recording(reqs):
+        out = catch_up(reqs)
+        read.append(out[1])
+        return out
+
+    decoder.catch_up = recording
+    return read
+
+
+@pytest.mark.parametrize(
+    "page_size,topk,overlap",
+    [(1, 1, False), (16, 4, True)],
+    ids=["page1-chain", "page16-tree-overlap"],
+)
+def test_drafting_requests_decode_plainly_in_prefill_steps(pair, page_size, topk, overlap):
+    """A short request drafts while five long prompts prefill in chunks of 16: it decodes
+    one token in each of their prefill steps (its draft left behind, past a full backlog
+    and its catch-up), then speculates; every output equals transformers' greedy, strict
+    leak checks pass, and no prefill step is plain decodes alone."""
+    short, *long = random_prompts(1, 300, seed=8, lo=10, hi=10) + random_prompts(
+        5, 300, seed=9, lo=200, hi=200
+    )
+    expected = hf_greedy(pair[0], [short], 100) + hf_greedy(pair[0], long, 20)
+    engine = start_spec_engine(pair[0], pair[1], page_size=page_size, topk=topk, overlap=overlap)
+    batches, catch_ups = record_extend_batches(engine), record_catch_ups(engine)
+    try:
+        outputs = run_lengths(engine, [short, *long], [100] + [20] * 5)
+        assert outputs == expected
+        check_leak_free(engine)
+        decoded = metric_value(engine, "specd_spec_prefill_step_decodes_total")
+    finally:
+        engine.shutdown()
+    with_decodes = [b for b in batches if any(b.plain_decodes)]
+    assert decoded == sum(sum(b.plain_decodes) for b in batches) >= CATCH_UP_AT
+    assert max(catch_ups) >= CATCH_UP_AT  # a full backlog read in one extend
+    for batch in with_decodes:
+        assert not all(batch.plain_decodes)  # a prefill chunk rides with them
+        assert batch.num_tokens <= 16  # the step's budget holds
+        for n, sample, decoded in zip(
+            batch.extend_lens, batch.sample, batch.plain_decodes, strict=True
+        ):
+            assert not decoded or (n == 1 and sample)
+    assert metric_value(engine, "specd_spec_draft_tokens_total") > 0  # it speculated after
+
+
+def test_a_draft_left_behind_by_prefill_steps_catches_up_to_the_step_by_step_draft():
+    """The trained pair: a request on its repetitive prompt drafts; a 400-token prompt
+    then prefills in chunks of 16 beside it.  The request's draft state after each verify
+    equals the one of a draft that read every token at once (the request alone, on the
+    plain rung), its drafts keep being accepted, and its output is plain decode's."""
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    [other] = demo_prompts(1, 400)
+    fields = dict(
+        kvCache={"pageSize": 4},
+        scheduler={"chunkedPrefillSize": 16},
+        draft={"path": DEMO_EAGLE},
+        debug={"strictMemCheck": 1},
+    )
+    alone = start_engine(
+        DEMO_TARGET,
+        speculative={"numSteps": 3, "adaptive": {"enabled": True, "candidateSteps": [0]}},
+        **fields,
+    )
+    try:
+        reference = record_draft_states(alone, "r0")
+        [(expected, _, _)] = run_all(alone, [prompt], max_tokens=80, ignore_eos=True)
+    finally:
+        alone.shutdown()
+    engine = start_engine(DEMO_TARGET, speculative={"numSteps": 3, "policy": {}}, **fields)
+    engine.executor.policy.cost_model = None  # always speculate: this is about the draft
+
+    async def go():
+        first = engine.generate(
+            GenerateRequest("r0", tuple(prompt), SamplingParams(max_tokens=80, ignore_eos=True))
+        )
+        tokens, later, last = [], None, None
+        async for delta in first:
+            tokens += delta.token_ids
+            last = delta
+            if later is None and len(tokens) >= 8:
+                later = asyncio.ensure_future(collect(engine, "r1", other, max_tokens=4))
+        await later
+        return tokens, last.usage
+
+    try:
+        states = record_draft_states(engine, "r0")
+        tokens, usage = asyncio.run(go())
+        decoded = metric_value(engine, "specd_spec_prefill_step_decodes_total")
+        check_leak_free(engine)
+    finally:
+        engine.shutdown()
+    assert tokens == expected
+    assert decoded >= 400 // 16 - 2  # it decoded in (nearly) every prefill step of r1
+    common = set(states) & set(reference)  # the last verify may pass the reference's end
+    assert len(common) > 5 and all(p > max(reference) for p in set(states) - common)
+    for position in common:
+        torch.testing.assert_close(states[position], reference[position], atol=1e-4, rtol=1e-4)
+    assert usage.spec_accepted_tokens > 0.8 * 3 * usage.spec_verify_steps, usage

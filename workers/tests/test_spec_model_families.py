@@ -9,6 +9,7 @@ import pytest
 
 from specd.devtools.testing import (
     check_exact_run,
+    check_token_sources,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -43,8 +44,6 @@ def test_eagle3_on_new_families_is_lossless(family, topk, page_size, overlap):
         target, draft, page_size, steps=3, topk=topk, algorithm="EAGLE3", overlap=overlap
     )
     results = check_exact_run(engine, prompts, expected, MAX_NEW)
-    usage = results[0][2].usage
-    assert usage.spec_verify_steps > 0
-    assert usage.spec_verify_steps + usage.spec_accepted_tokens == MAX_NEW - 1
+    check_token_sources(engine, results, MAX_NEW)
     assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0

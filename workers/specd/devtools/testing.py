@@ -386,6 +386,17 @@ def check_exact_run(engine: Engine, prompts, expected, max_tokens: int, judge=No
     return results
 
 
+def check_token_sources(engine: Engine, results, max_tokens: int) -> None:
+    """Every request of a concurrent speculative run verified, and after its first token
+    each token came from a verify (accepted or bonus) or from a plain decode in a prefill
+    step of another request (``specd_spec_prefill_step_decodes_total``)."""
+    usages = [r[2].usage for r in results]
+    assert all(u.spec_verify_steps > 0 for u in usages), usages
+    decoded = metric_value(engine, "specd_spec_prefill_step_decodes_total")
+    verified = sum(u.spec_verify_steps + u.spec_accepted_tokens for u in usages)
+    assert verified + decoded == len(usages) * (max_tokens - 1), (verified, decoded)
+
+
 def request_held_tokens(engine: Engine) -> int:
     """KV slots in use that the prefix cache does not hold (0 once every request is
     done), with no cached page still borrowed."""

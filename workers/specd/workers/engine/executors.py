@@ -16,11 +16,14 @@ pipeline and the engine never ask which.  An executor decides
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
 
 from specd.workers.engine.compute import Compute
 from specd.workers.engine.metrics import EngineMetrics
@@ -38,6 +41,35 @@ from specd.workers.speculative.step_graphs import SpecGraphs
 
 if TYPE_CHECKING:
     from specd.workers.config import SpeculativeSpec
+
+
+class FilledSpan(NamedTuple):
+    """One request's positions in a prefill step, as the draft reads them afterwards."""
+
+    req: Req
+    start: int  # the first position filled
+    length: int  # positions filled
+    row: int  # its first row in the batch's hidden states
+    sampled: int | None  # the token sampled after it, if its chunk reached the end
+    plain_decode: bool  # a drafting request's plain decode (``ScheduledBatch.plain_decodes``)
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, result: RunnerOutput) -> list[FilledSpan]:
+        sampled = iter(result.next_token_ids)
+        rows = itertools.accumulate(batch.extend_lens, initial=0)
+        decodes = batch.plain_decodes or (False,) * len(batch.reqs)
+        return [
+            cls(req, start, n, row, next(sampled) if done else None, decoded)
+            for req, start, n, done, decoded, row in zip(
+                batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, decodes, rows,
+                strict=False,  # rows has one more
+            )
+        ]  # fmt: skip
+
+    def tokens_ahead(self) -> list[int]:
+        """Token ``p + 1`` for each position ``p`` filled: the prompt's, then the sampled."""
+        ahead = self.req.fill_ids[self.start + 1 : self.start + self.length + 1]
+        return ahead if self.sampled is None else [*ahead, self.sampled]
 
 
 class StepExecutor(ABC):
@@ -116,10 +148,11 @@ def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
 
 
 class SpeculativeExecutor(StepExecutor):
-    """Speculative decode: prefill chunks run alone, and the draft then extends over the
-    same positions; every request with a draft state then verifies, on the rung the
-    adaptive controller (or the load policy) picks.  Under overlap only verifies are
-    pipelined."""
+    """Speculative decode: prefill chunks run in a step of their own, where drafting
+    requests decode a token plainly beside them, and the draft then extends over the
+    chunks' positions (the plain decodes join its backlog); every request with a draft
+    state then verifies, on the rung the adaptive controller (or the load policy)
+    picks.  Under overlap only verifies are pipelined."""
 
     def __init__(
         self,
@@ -176,10 +209,15 @@ class SpeculativeExecutor(StepExecutor):
         if batch.verify:
             return self._process_verify(batch, out)
         updated = self.scheduler.process_result(batch, out)
-        for req, sampled in zip(batch.reqs, batch.sample, strict=True):
+        decodes = batch.plain_decodes or (False,) * len(batch.reqs)
+        for req, sampled, decoded in zip(batch.reqs, batch.sample, decodes, strict=True):
+            if decoded:  # one more token its draft has not read
+                self._count_backlogs([req], deferred=True)
+                continue
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
             if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
                 self._backlogs.pop(req.rid, None)
+        self.metrics.observe_plain_decodes(sum(decodes))
         return updated
 
     def capture_graphs(self, sizes: list[int]) -> None:
@@ -210,20 +248,27 @@ class SpeculativeExecutor(StepExecutor):
 
     def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
         """Draft rows for the positions the target just filled (token ``p + 1`` with the
-        target's hidden at ``p``; the last one of a finished prompt is the sampled token)."""
+        target's hidden at ``p``; the last one of a finished prompt is the sampled token).
+        A plain decode beside the prefill chunks leaves its token to the draft's backlog."""
         features = self.draft_head.features(result.hidden, result.aux)
-        sampled = iter(result.next_token_ids)
-        starts, tokens, feats = [], [], []
-        q0 = 0
-        for req, start, n, done in zip(
-            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, strict=True
-        ):
-            ahead = req.fill_ids[start + 1 : start + n + 1]
-            tokens.append(ahead + [next(sampled)] if done else ahead)
-            starts.append(start)
-            feats.append(features[q0 : q0 + n])
-            q0 += n
-        self.decoder.after_extend(list(batch.reqs), starts, tokens, feats, list(batch.sample))
+        spans = FilledSpan.of(batch, result)
+        extends = [s for s in spans if not s.plain_decode]
+        self.decoder.after_extend(
+            [s.req for s in extends],
+            [s.start for s in extends],
+            [s.tokens_ahead() for s in extends],
+            [features[s.row : s.row + s.length] for s in extends],
+            [s.sampled is not None for s in extends],
+        )
+        decodes = [s for s in spans if s.plain_decode]
+        if decodes:  # their feature rows copied: a backlog outlives this batch's tensors
+            rows = torch.tensor([s.row for s in decodes], device=features.device)
+            self.decoder.defer(
+                [s.req for s in decodes],
+                [s.start for s in decodes],
+                [s.sampled for s in decodes],
+                features.index_select(0, rows),
+            )
 
     def _process_verify(self, batch: ScheduledBatch, out) -> list[Req]:
         """Host side of a verify: resolve, stop rules, metrics."""

@@ -156,6 +156,11 @@ class EngineMetrics:
             "load (policy.maxBatchForSpec) or cost (the cost model)",
             ["reason"],
         )
+        self.spec_prefill_step_decodes = counter(
+            "specd_spec_prefill_step_decodes",
+            "Tokens drafting requests decoded plainly in a prefill step, beside its "
+            "chunks, instead of waiting for the next verify (their draft reads them later)",
+        )
         self.spec_cost_seconds = gauge(
             "specd_spec_cost_seconds_per_request",
             "The cost model's EMA of a verify step's compute seconds per request, by batch "
@@ -216,6 +221,11 @@ class EngineMetrics:
         if plain_reason is not None:
             self.spec_plain_steps.labels(self.replica, plain_reason.value).inc()
             self.spec_plain[plain_reason.value] += 1
+
+    def observe_plain_decodes(self, tokens: int) -> None:
+        """Count the tokens a prefill step decoded plainly for drafting requests."""
+        if tokens:
+            self.spec_prefill_step_decodes.inc(tokens)
 
     def observe_cost(
         self, bucket: int, steps: int, seconds: float | None, predicted: float | None

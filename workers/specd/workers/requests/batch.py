@@ -30,6 +30,9 @@ class ScheduledBatch:
     # overlap, plain decode: scheduled while the previous batch computes; each request's
     # input is the token that batch samples for it, read on the device (never on the host)
     decode_ahead: bool = False
+    # speculative engine, prefill step: the requests that decode one token plainly beside
+    # the prefill chunks (their draft reads it later); () in every other batch
+    plain_decodes: tuple[bool, ...] = ()
 
     @property
     def num_tokens(self) -> int:

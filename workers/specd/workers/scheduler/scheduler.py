@@ -153,21 +153,34 @@ class Scheduler:
         """Pick this step's requests and token counts, allocating their KV.
 
         Plain decode mixes prefill chunks and decodes in one batch.  A speculative engine
-        runs prefill chunks first, then a verify step for every request that has a draft
-        state (its prompt is in the cache and its first token sampled).  The batch's
-        ``req_to_token`` writes go out together when it is picked."""
+        runs a step of prefill chunks when one is due, in which every request that has a
+        draft state decodes one token plainly beside them (`_plain_decodes`), then a
+        verify step for every request with a draft state (its prompt is in the cache and
+        its first token sampled).  The batch's ``req_to_token`` writes go out together
+        when it is picked."""
         with self.kv.batched_writes():
             if self.config.spec is None:
-                return self._schedule_extend(self.running)
+                return self._launch(self._pick_extend(self.running))
+            drafting = [r for r in self.running if r.spec_ready]
             prefilling = [r for r in self.running if not r.spec_ready]
-            return self._schedule_extend(prefilling) or self.schedule_verify()
+            prefill = self._pick_extend(prefilling, reserved=len(drafting))
+            if not prefill:
+                return self.schedule_verify()
+            decodes = self._plain_decodes(drafting)
+            plain_decodes = (False,) * len(prefill) + (True,) * len(decodes)
+            return self._launch(prefill + decodes, plain_decodes=plain_decodes)
 
     def wants_extend(self) -> bool:
         """A prefill chunk is due (a speculative engine runs those before verifies)."""
         return bool(self.waiting) or any(not r.spec_ready for r in self.running)
 
-    def _schedule_extend(self, candidates: list[Req]) -> ScheduledBatch | None:
-        budget = max(self.config.chunked_prefill_size, len(candidates))
+    def _pick_extend(
+        self, candidates: list[Req], reserved: int = 0
+    ) -> list[tuple[Req, int, int, bool]]:
+        """Spans of ``candidates``' next tokens (a decode one, a prefill its next chunk),
+        then of waiting requests admitted, within the step's token budget less
+        ``reserved`` tokens (KV allocated)."""
+        budget = max(self.config.chunked_prefill_size, len(candidates) + reserved) - reserved
         picked: list[tuple[Req, int]] = []
         for req in list(candidates):
             if req not in self.running:  # retracted while serving an older request
@@ -178,13 +191,22 @@ class Scheduler:
             picked.append((req, take))
             budget -= take
         picked += self._admit(budget)
-        return self._launch(
-            [
-                (r, r.kv.committed, n, r.kv.committed + n == r.num_fill)
-                for r, n in picked
-                if r.status is RequestStatus.RUNNING
-            ]
-        )
+        return [
+            (r, r.kv.committed, n, r.kv.committed + n == r.num_fill)
+            for r, n in picked
+            if r.status is RequestStatus.RUNNING
+        ]
+
+    def _plain_decodes(self, drafting: list[Req]) -> list[tuple[Req, int, int, bool]]:
+        """A speculative engine's prefill step: beside the prefill chunks, each drafting
+        request decodes its next token plainly (its root, one token) instead of waiting
+        for the next verify; its draft reads that token later (deferred draft extends).
+        One whose KV cannot grow without a retraction sits the step out."""
+        return [
+            (r, r.kv.committed, 1, True)
+            for r in drafting
+            if r.status is RequestStatus.RUNNING and self.kv.grow(r.kv, r.kv.committed + 1)
+        ]
 
     def schedule_decode_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
         """Overlap scheduling, plain decode: the decode step after ``in_flight``, picked

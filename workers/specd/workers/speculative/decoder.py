@@ -249,8 +249,9 @@ class SpecDecoder:
             probes = tuple((guesses == result.bonus_tokens).long().tolist())
         self.processors.record(reqs, tokens)
         logprobs = path_logprobs(reqs, logits, result.accept_index, tokens)
-        if defer:
-            caught_up = self._defer_extend(reqs, roots, tokens, features)
+        if defer:  # graph buffers are reused: the root features are copied
+            root_features = features[:, 0].clone()
+            caught_up = self.defer(reqs, roots, [t[0] for t in tokens], root_features)
         else:
             accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
             outputs = self._extend_accepted(rung, accepted)
@@ -268,17 +269,22 @@ class SpecDecoder:
             catch_up_tokens=caught_up[1],
         )
 
-    def _defer_extend(
-        self, reqs: list[Req], roots: list[int], tokens: list[list[int]], features: torch.Tensor
+    def defer(
+        self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
     ) -> tuple[float, int]:
-        """A plain step's new token joins each request's backlog with the target's feature
-        at its root (``features``: [bs, 1, H]); once a backlog is full the whole batch
-        catches up -> that catch-up's (seconds, tokens read); zeros if none."""
-        root_features = features[:, 0].clone()  # [bs, H]; graph buffers are reused
-        for b, (req, root, toks) in enumerate(zip(reqs, roots, tokens, strict=True)):
+        """Plain steps' new tokens join their requests' backlogs: ``tokens[i]`` follows the
+        root at ``roots[i]``, whose target features are ``root_features[i]`` ([bs, H]).
+        Once a backlog is full the whole batch catches up -> that catch-up's (seconds,
+        tokens read); zeros if none."""
+        for req, root, token, feature in zip(reqs, roots, tokens, root_features, strict=True):
             state = self.states[req.rid]
+            if state.root_position != root:
+                raise RuntimeError(
+                    f"request {req.rid}: a plain step decoded position {root} but its "
+                    f"draft state's root is at {state.root_position}"
+                )
             backlog = state if isinstance(state, Backlog) else Backlog(root, (), ())
-            self.states[req.rid] = backlog.extended(toks[0], root_features[b])
+            self.states[req.rid] = backlog.extended(token, feature)
         if any(self.states[r.rid].full for r in reqs):
             return self.catch_up(reqs)
         return 0.0, 0
