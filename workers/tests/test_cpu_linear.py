@@ -82,7 +82,10 @@ def test_default_layout_follows_the_timed_decision_per_shape():
     ``nn.Linear``."""
     fastest_layout.cache_clear()
     model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64), nn.Linear(64, 256))
-    decisions = [fastest_layout(torch.float32, m.in_features, m.out_features) for m in model]
+    usable = layouts_for(torch.float32)
+    decisions = [
+        fastest_layout(torch.float32, m.in_features, m.out_features, usable) for m in model
+    ]
     assert set(decisions) <= set(layouts_for(torch.float32)) <= set(LAYOUTS)
     assert decisions[0] == decisions[2]
     swapped = relayout_linears(model)
@@ -94,3 +97,20 @@ def test_default_layout_follows_the_timed_decision_per_shape():
             assert layer.layout == decision
             assert _layout_that_ran(layer, 4) == decision
     assert fastest_layout.cache_info().hits >= 3 and fastest_layout.cache_info().misses == 2
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", " 1 "])
+def test_openmp_dynamic_teams_keep_weights_out_of_the_packed_layout(monkeypatch, value):
+    """With OMP_DYNAMIC on, oneDNN's packed matmul computes wrong values on a loaded
+    machine (cpu_linear.openmp_shrinks_teams): no layer is timed, asked or swapped into it."""
+    monkeypatch.setenv("OMP_DYNAMIC", value)
+    assert "packed" not in layouts_for(torch.float32)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    assert relayout_linears(model, "packed") == 0
+    assert all(type(m) is nn.Linear for m in model)
+    relayout_linears(model)
+    assert all(getattr(m, "layout", "plain") != "packed" for m in model)
+    monkeypatch.setenv("OMP_DYNAMIC", "false")
+    assert layouts_for(torch.float32) == (
+        LAYOUTS if prepack_supported(torch.float32) else LAYOUTS[:2]
+    )

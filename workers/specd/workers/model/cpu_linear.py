@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -57,8 +58,20 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"unknown CPU linear layout {layout!r}; one of {LAYOUTS}")
 
 
+def openmp_shrinks_teams() -> bool:
+    """``OMP_DYNAMIC`` is on: OpenMP may run a parallel region on fewer threads than
+    asked when the machine is loaded.  oneDNN's packed matmul then returns wrong values:
+    on a 2-core VM at load average 2.4, all of 2,000 calls at 32 rows were wrong (NaN
+    logits in a served engine); at load 0 none was, nor any plain or transposed one."""
+    return os.environ.get("OMP_DYNAMIC", "").strip().lower() in ("true", "1", "yes", "on")
+
+
 def layouts_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The layouts this CPU can hold ``dtype`` weights in."""
+    """The layouts this CPU can hold ``dtype`` weights in (not ``packed`` where oneDNN
+    cannot pack it, or computes it wrong: `openmp_shrinks_teams`)."""
+    if openmp_shrinks_teams():
+        log.warning("OMP_DYNAMIC is on: oneDNN's packed layout is not used (unset it)")
+        return LAYOUTS[:2]
     return LAYOUTS if prepack_supported(dtype) else LAYOUTS[:2]
 
 
@@ -123,13 +136,19 @@ def _seconds_per_call(layout: str, weights: list[torch.Tensor], x: torch.Tensor)
 
 @functools.cache
 @torch.inference_mode()
-def fastest_layout(dtype: torch.dtype, in_features: int, out_features: int) -> str:
-    """The layout whose calls are fastest for this weight shape on this machine, timed
-    once per shape and process with cold caches.  Each row count of ``_ROW_LADDER``
-    weighs the same: a layout's score is the sum of its time relative to ``plain``."""
+def fastest_layout(
+    dtype: torch.dtype,
+    in_features: int,
+    out_features: int,
+    candidates: tuple[str, ...] | None = None,
+) -> str:
+    """The layout of ``candidates`` (default: `layouts_for`) whose calls are fastest for
+    this weight shape on this machine, timed once per shape and process with cold caches.
+    Each row count of ``_ROW_LADDER`` weighs the same: a layout's score is the sum of its
+    time relative to ``plain``."""
     inputs = [torch.randn(rows, in_features, dtype=dtype) for rows in _ROW_LADDER]
     seconds = {}
-    for layout in layouts_for(dtype):  # one layout's copies in memory at a time
+    for layout in candidates or layouts_for(dtype):  # one layout's copies in memory at a time
         weights = _timed_weights(dtype, in_features, out_features, layout)
         seconds[layout] = [_seconds_per_call(layout, weights, x) for x in inputs]
     scores = {
@@ -166,8 +185,8 @@ def relayout_linears(model: nn.Module, layout: str | None = None) -> int:
     fastest for their shape (``fastest_layout``), or in ``layout`` for every one; a layer
     whose fastest is ``plain`` stays as it is.  Returns how many were swapped.
 
-    A ``packed`` request where oneDNN cannot pack the dtype leaves the model unchanged
-    (and logs why).
+    A ``packed`` request where that layout is unusable (`layouts_for`) leaves the model
+    unchanged (and logs why).
     """
     if layout is not None:
         _check_layout(layout)
@@ -175,13 +194,14 @@ def relayout_linears(model: nn.Module, layout: str | None = None) -> int:
     if not linears or linears[0][1].weight.device.type != "cpu":
         return 0
     dtype = linears[0][1].weight.dtype
-    if layout is not None and layout not in layouts_for(dtype):
-        log.info("oneDNN cannot pack %s weights on this CPU; keeping plain linear layers", dtype)
+    usable = layouts_for(dtype)
+    if layout is not None and layout not in usable:
+        log.info("oneDNN's packed %s layout is unusable here; keeping plain linear layers", dtype)
         return 0
     swapped = 0
     for name, linear in linears:
         shape = (linear.weight.dtype, linear.in_features, linear.out_features)
-        chosen = layout or fastest_layout(*shape)
+        chosen = layout or fastest_layout(*shape, usable)
         if chosen == "plain":
             continue
         parent_name, _, child = name.rpartition(".")
