@@ -38,7 +38,7 @@ from specd.workers.speculative.cost_model import (
 )
 from specd.workers.speculative.decoder import DraftState
 from specd.workers.speculative.deferred_extend import CATCH_UP_AT
-from specd.workers.types import GenerateRequest, SamplingParams
+from specd.workers.types import FinishReason, GenerateRequest, SamplingParams
 
 CHAIN = Rung(3, 1, 4)
 
@@ -527,3 +527,42 @@ def test_a_draft_left_behind_by_prefill_steps_catches_up_to_the_step_by_step_dra
     for position in common:
         torch.testing.assert_close(states[position], reference[position], atol=1e-4, rtol=1e-4)
     assert usage.spec_accepted_tokens > 0.8 * 3 * usage.spec_verify_steps, usage
+
+
+def test_an_abort_while_others_prefill_leaves_the_rest_exact(pair):
+    """A drafting request decodes in the prefill steps of four long prompts and is
+    aborted there, its backlog unread: the others finish exactly, no KV is left held,
+    and the replica serves on."""
+    victim_prompt, *long = random_prompts(1, 300, seed=41, lo=8, hi=8) + random_prompts(
+        4, 300, seed=42, lo=180, hi=180
+    )
+    expected = hf_greedy(pair[0], long, 16)
+    engine = start_spec_engine(pair[0], pair[1], page_size=16, topk=4)
+
+    async def go():
+        async def victim():
+            seen = 0
+            request = GenerateRequest(
+                "victim", tuple(victim_prompt), SamplingParams(max_tokens=200, ignore_eos=True)
+            )
+            async for delta in engine.generate(request):
+                seen += len(delta.token_ids)
+                if seen >= 12:
+                    engine.abort("victim")
+            return seen, delta.finish_reason
+
+        others = [
+            collect(engine, f"r{i}", p, max_tokens=16, ignore_eos=True) for i, p in enumerate(long)
+        ]
+        return await asyncio.gather(victim(), *others)
+
+    try:
+        (seen, reason), *others = asyncio.run(go())
+        assert 12 <= seen < 200 and reason is FinishReason.ABORT
+        assert [tokens for tokens, _, _ in others] == expected
+        assert metric_value(engine, "specd_spec_prefill_step_decodes_total") >= 11
+        check_leak_free(engine)
+        [(again, _, _)] = run_all(engine, long[:1], max_tokens=16, ignore_eos=True)
+        assert again == expected[0]
+    finally:
+        engine.shutdown()
