@@ -215,8 +215,14 @@ def speculative() -> dict:
                 [
                     (rate(drafts), f"{REPLICA_LEGEND} proposed"),
                     (rate(accepted), f"{REPLICA_LEGEND} accepted"),
+                    (
+                        rate("specd_spec_prefill_step_decodes_total"),
+                        f"{REPLICA_LEGEND} decoded in prefill steps",
+                    ),
                 ],
                 unit="tps",
+                description="Draft tokens proposed and accepted by verifies, and tokens "
+                "drafting requests decoded plainly beside prefill chunks",
             ),
             panel(
                 "Adaptive rung (draft steps)",

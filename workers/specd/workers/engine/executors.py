@@ -57,11 +57,11 @@ class FilledSpan(NamedTuple):
     def of(cls, batch: ScheduledBatch, result: RunnerOutput) -> list[FilledSpan]:
         sampled = iter(result.next_token_ids)
         rows = itertools.accumulate(batch.extend_lens, initial=0)
-        decodes = batch.plain_decodes or (False,) * len(batch.reqs)
         return [
             cls(req, start, n, row, next(sampled) if done else None, decoded)
             for req, start, n, done, decoded, row in zip(
-                batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, decodes, rows,
+                batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample,
+                batch.decodes_plainly, rows,
                 strict=False,  # rows has one more
             )
         ]  # fmt: skip
@@ -209,7 +209,7 @@ class SpeculativeExecutor(StepExecutor):
         if batch.verify:
             return self._process_verify(batch, out)
         updated = self.scheduler.process_result(batch, out)
-        decodes = batch.plain_decodes or (False,) * len(batch.reqs)
+        decodes = batch.decodes_plainly
         for req, sampled, decoded in zip(batch.reqs, batch.sample, decodes, strict=True):
             if decoded:  # one more token its draft has not read
                 self._count_backlogs([req], deferred=True)

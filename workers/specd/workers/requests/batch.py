@@ -39,6 +39,11 @@ class ScheduledBatch:
         return sum(self.extend_lens)
 
     @property
+    def decodes_plainly(self) -> tuple[bool, ...]:
+        """Per request: whether it is a drafting request's plain decode (`plain_decodes`)."""
+        return self.plain_decodes or (False,) * len(self.reqs)
+
+    @property
     def sampled_reqs(self) -> list[Req]:
         return [r for r, s in zip(self.reqs, self.sample, strict=True) if s]
 

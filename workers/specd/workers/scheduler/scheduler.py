@@ -45,6 +45,17 @@ from specd.workers.scheduler.step_stats import StepStats
 from specd.workers.types import FinishReason
 
 
+def launched(spans: list[tuple[Req, int, int, bool]], **fields) -> ScheduledBatch | None:
+    """The batch of ``spans`` (request, first position, tokens, whether it samples),
+    each request now counted as having a step in flight; None if empty."""
+    if not spans:
+        return None
+    for req, *_ in spans:
+        req.inflight_steps += 1
+    reqs, starts, lens, sample = zip(*spans, strict=True)
+    return ScheduledBatch(reqs, starts, lens, sample, **fields)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_running_requests: int
@@ -150,36 +161,31 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Pick this step's requests and token counts, allocating their KV.
-
-        Plain decode mixes prefill chunks and decodes in one batch.  A speculative engine
-        runs a step of prefill chunks when one is due, in which every request that has a
-        draft state decodes one token plainly beside them (`_plain_decodes`), then a
-        verify step for every request with a draft state (its prompt is in the cache and
-        its first token sampled).  The batch's ``req_to_token`` writes go out together
-        when it is picked."""
+        """Pick this step's requests and token counts, allocating their KV (the batch's
+        ``req_to_token`` writes go out together).  Plain decode mixes prefill chunks and
+        decodes in one batch.  A speculative engine runs prefill chunks when one is due,
+        with each drafting request decoding a token beside them (`_plain_decodes`), else
+        a verify of every request with a draft state (prompt cached, first token out)."""
         with self.kv.batched_writes():
             if self.config.spec is None:
-                return self._launch(self._pick_extend(self.running))
+                return launched(self._pick_extend(self.running))
             drafting = [r for r in self.running if r.spec_ready]
-            prefilling = [r for r in self.running if not r.spec_ready]
-            prefill = self._pick_extend(prefilling, reserved=len(drafting))
+            prefill = self._pick_extend(
+                [r for r in self.running if not r.spec_ready], len(drafting)
+            )
             if not prefill:
                 return self.schedule_verify()
             decodes = self._plain_decodes(drafting)
-            plain_decodes = (False,) * len(prefill) + (True,) * len(decodes)
-            return self._launch(prefill + decodes, plain_decodes=plain_decodes)
+            flags = (False,) * len(prefill) + (True,) * len(decodes)
+            return launched(prefill + decodes, plain_decodes=flags)
 
     def wants_extend(self) -> bool:
         """A prefill chunk is due (a speculative engine runs those before verifies)."""
         return bool(self.waiting) or any(not r.spec_ready for r in self.running)
 
-    def _pick_extend(
-        self, candidates: list[Req], reserved: int = 0
-    ) -> list[tuple[Req, int, int, bool]]:
-        """Spans of ``candidates``' next tokens (a decode one, a prefill its next chunk),
-        then of waiting requests admitted, within the step's token budget less
-        ``reserved`` tokens (KV allocated)."""
+    def _pick_extend(self, candidates: list[Req], reserved: int = 0) -> list[tuple]:
+        """Spans (request, start, tokens, samples) of ``candidates``' next tokens, then of
+        waiting requests admitted, in the token budget less ``reserved`` (KV allocated)."""
         budget = max(self.config.chunked_prefill_size, len(candidates) + reserved) - reserved
         picked: list[tuple[Req, int]] = []
         for req in list(candidates):
@@ -197,11 +203,10 @@ class Scheduler:
             if r.status is RequestStatus.RUNNING
         ]
 
-    def _plain_decodes(self, drafting: list[Req]) -> list[tuple[Req, int, int, bool]]:
-        """A speculative engine's prefill step: beside the prefill chunks, each drafting
-        request decodes its next token plainly (its root, one token) instead of waiting
-        for the next verify; its draft reads that token later (deferred draft extends).
-        One whose KV cannot grow without a retraction sits the step out."""
+    def _plain_decodes(self, drafting: list[Req]) -> list[tuple]:
+        """Prefill step: each drafting request decodes its root plainly instead of waiting
+        for the next verify (its draft reads it later, deferred_extend.py); one whose KV
+        cannot grow without a retraction sits the step out."""
         return [
             (r, r.kv.committed, 1, True)
             for r in drafting
@@ -236,7 +241,7 @@ class Scheduler:
                 if not self.kv.grow(req.kv, position + 1):
                     return None
                 spans.append((req, position, 1, True))
-        return self._launch(spans, decode_ahead=True)
+        return launched(spans, decode_ahead=True)
 
     def schedule_verify(self, allow_retract: bool = True) -> ScheduledBatch | None:
         """Grow every drafting request to ``committed + reserve`` and pre-claim its root.
@@ -271,22 +276,11 @@ class Scheduler:
         picked = [r for r in picked if r.status is RequestStatus.RUNNING]
         for req in picked:
             preclaim_bonus_slot(req.kv)
-        return self._launch(
+        return launched(
             [(r, r.num_fill - 1, spec.max_draft_tokens, True) for r in picked],
             verify=True,
             granted_lens=tuple(r.kv.allocated for r in picked),
         )
-
-    @staticmethod
-    def _launch(spans: list[tuple[Req, int, int, bool]], **fields) -> ScheduledBatch | None:
-        """The batch of ``spans`` (request, first position, tokens, whether it samples),
-        each request now counted as having a step in flight; None if empty."""
-        if not spans:
-            return None
-        for req, *_ in spans:
-            req.inflight_steps += 1
-        reqs, starts, lens, sample = zip(*spans, strict=True)
-        return ScheduledBatch(reqs, starts, lens, sample, **fields)
 
     def _admit(self, budget: int) -> list[tuple[Req, int]]:
         admitted, passed_over = [], []
