@@ -423,6 +423,21 @@ def record_extend_batches(engine) -> list:
     return seen
 
 
+def record_mirrored_backlogs(engine) -> list[int]:
+    """After each step the executor processes: the longest backlog its host-side mirror
+    counts (the cost model reads it)."""
+    executor, longest = engine.executor, []
+    process = executor.process
+
+    def recording(batch, out):
+        updated = process(batch, out)
+        longest.append(max(executor._backlogs.values(), default=0))
+        return updated
+
+    executor.process = recording
+    return longest
+
+
 def record_catch_ups(engine) -> list[int]:
     """The tokens each catch-up of the draft read."""
     decoder, read = engine.executor.decoder, []
@@ -453,6 +468,7 @@ def test_drafting_requests_decode_plainly_in_prefill_steps(pair, page_size, topk
     expected = hf_greedy(pair[0], [short], 100) + hf_greedy(pair[0], long, 20)
     engine = start_spec_engine(pair[0], pair[1], page_size=page_size, topk=topk, overlap=overlap)
     batches, catch_ups = record_extend_batches(engine), record_catch_ups(engine)
+    mirrored = record_mirrored_backlogs(engine)
     try:
         outputs = run_lengths(engine, [short, *long], [100] + [20] * 5)
         assert outputs == expected
@@ -463,6 +479,7 @@ def test_drafting_requests_decode_plainly_in_prefill_steps(pair, page_size, topk
     with_decodes = [b for b in batches if any(b.plain_decodes)]
     assert decoded == sum(sum(b.plain_decodes) for b in batches) >= CATCH_UP_AT
     assert max(catch_ups) >= CATCH_UP_AT  # a full backlog read in one extend
+    assert max(mirrored) == CATCH_UP_AT - 1  # the host's count follows that catch-up
     for batch in with_decodes:
         assert not all(batch.plain_decodes)  # a prefill chunk rides with them
         assert batch.num_tokens <= 16  # the step's budget holds

@@ -36,6 +36,7 @@ from specd.workers.scheduler.scheduler import Scheduler
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.cost_model import batch_bucket
 from specd.workers.speculative.decoder import SpecDecoder, SpecStepOut
+from specd.workers.speculative.deferred_extend import CATCH_UP_AT
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.step_graphs import SpecGraphs
 
@@ -56,13 +57,12 @@ class FilledSpan(NamedTuple):
     @classmethod
     def of(cls, batch: ScheduledBatch, result: RunnerOutput) -> list[FilledSpan]:
         sampled = iter(result.next_token_ids)
-        rows = itertools.accumulate(batch.extend_lens, initial=0)
+        rows = itertools.accumulate(batch.extend_lens[:-1], initial=0)
         return [
             cls(req, start, n, row, next(sampled) if done else None, decoded)
             for req, start, n, done, decoded, row in zip(
                 batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample,
-                batch.decodes_plainly, rows,
-                strict=False,  # rows has one more
+                batch.decodes_plainly, rows, strict=True,
             )
         ]  # fmt: skip
 
@@ -209,15 +209,20 @@ class SpeculativeExecutor(StepExecutor):
         if batch.verify:
             return self._process_verify(batch, out)
         updated = self.scheduler.process_result(batch, out)
-        decodes = batch.decodes_plainly
-        for req, sampled, decoded in zip(batch.reqs, batch.sample, decodes, strict=True):
-            if decoded:  # one more token its draft has not read
-                self._count_backlogs([req], deferred=True)
+        decoded = []  # plain decodes: one more token each that its draft has not read
+        for req, sampled, plain in zip(
+            batch.reqs, batch.sample, batch.decodes_plainly, strict=True
+        ):
+            if plain:
+                decoded.append(req)
                 continue
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
             if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
                 self._backlogs.pop(req.rid, None)
-        self.metrics.observe_plain_decodes(sum(decodes))
+        self._count_backlogs(decoded, deferred=True)
+        if any(self._backlogs.get(r.rid, 0) >= CATCH_UP_AT for r in decoded):
+            self._count_backlogs(decoded, deferred=False)  # SpecDecoder.defer read them all
+        self.metrics.observe_plain_decodes(len(decoded))
         return updated
 
     def capture_graphs(self, sizes: list[int]) -> None:
