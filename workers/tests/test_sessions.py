@@ -45,6 +45,12 @@ CONFIGS = {
         "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
         "kvCache": {"pageSize": 16},
     },
+    "ngram-tree-overlap-page16": {
+        "draft": {"algorithm": "NGRAM"},
+        "speculative": {"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+        "kvCache": {"pageSize": 16},
+    },
     # batches of more than two run plain with the draft deferred; smaller ones catch up
     # and speculate (speculative/deferred_extend.py)
     "chain-deferred-overlap": {
@@ -63,7 +69,7 @@ def session_engine(models, config, **extra):
     target, draft = models
     spec = {k: dict(v) for k, v in config.items()}
     if "speculative" in spec:
-        spec["draft"] = {"path": draft}
+        spec.setdefault("draft", {"path": draft})
     kv = {"maxTokens": 4096, **spec.pop("kvCache", {}), **extra.pop("kvCache", {})}
     sessions = {"enabled": True, **extra.pop("sessions", {})}
     return start_engine(
@@ -568,7 +574,7 @@ def third_turn(engine, sid):
     return asyncio.run(turn(engine, sid, "t2", MOVED_TURNS[2]))
 
 
-@pytest.mark.parametrize("config", ["plain", "tree-overlap-page16"])
+@pytest.mark.parametrize("config", ["plain", "tree-overlap-page16", "ngram-tree-overlap-page16"])
 def test_a_session_moves_with_its_kv_and_continues_exactly(models, config):
     """Two turns on one engine, a move, the third turn on another engine (another page
     size): the same tokens as without sessions, with the whole history reused as KV."""

@@ -288,6 +288,13 @@ ENGINES = {
     "paged tree overlap": lambda: start_spec_engine(
         DEMO_TARGET, DEMO_EAGLE, page_size=16, steps=3, topk=4, overlap=True
     ),
+    "ngram paged tree overlap": lambda: start_engine(
+        DEMO_TARGET,
+        kvCache={"pageSize": 16},
+        scheduler={"overlap": True},
+        draft={"algorithm": "NGRAM"},
+        speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
+    ),
     # four at once run plain, the draft deferred; three catch up and speculate
     "chain deferred": lambda: start_spec_engine(
         DEMO_TARGET, DEMO_EAGLE, steps=3, policy={"maxBatchForSpec": 3}

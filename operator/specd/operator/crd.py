@@ -52,6 +52,24 @@ CEL_RULES: tuple[CelRule, ...] = (
         "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
         "add `speculative: {}` for the defaults",
     ),
+    CelRule(
+        ("draft",),
+        "(has(self.algorithm) && self.algorithm == 'NGRAM') != has(self.path)",
+        "spec.draft.path: give the draft model's folder for EAGLE and EAGLE3; leave it "
+        "out for NGRAM, which drafts from the request's own tokens",
+    ),
+    CelRule(
+        (),
+        "!has(self.speculative) || !has(self.speculative.ngram)"
+        " || (has(self.draft) && has(self.draft.algorithm) && self.draft.algorithm == 'NGRAM')",
+        "spec.speculative.ngram configures NGRAM drafting only: drop it or set "
+        "spec.draft.algorithm to NGRAM",
+    ),
+    CelRule(
+        ("speculative", "ngram"),
+        "!has(self.minMatch) || !has(self.maxMatch) || self.minMatch <= self.maxMatch",
+        "minMatch must be at most maxMatch",
+    ),
     # gpus is a CEL double, tensor an int: double() on both sides (Kubernetes types a
     # `number` field double; a JSON integer there is an int to cel-python)
     CelRule(

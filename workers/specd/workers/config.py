@@ -28,6 +28,9 @@ from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
     AdaptiveSpec,
     CandidateRung,
     CostModelSpec,
+    DraftAlgorithm,
+    DraftSpec,
+    NgramSpec,
     SpeculationPolicySpec,
     SpeculativeSpec,
     default_num_draft_tokens,
@@ -71,16 +74,6 @@ class ModelSpec(SpecModel):
     )
     context_length: int | None = Field(None, ge=16, description="Override max positions")
     name: str | None = Field(None, description="Model id served on /v1/models")
-
-
-class DraftAlgorithm(str, Enum):
-    EAGLE = "EAGLE"
-    EAGLE3 = "EAGLE3"
-
-
-class DraftSpec(SpecModel):
-    path: str = Field(min_length=1)
-    algorithm: DraftAlgorithm = DraftAlgorithm.EAGLE
 
 
 class KVCacheSpec(SpecModel):
@@ -435,7 +428,21 @@ class DeploymentSpec(SpecModel):
                 "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
                 "add `speculative: {}` for the defaults"
             )
+        ngram = self.speculative is not None and self.speculative.ngram is not None
+        if ngram and self.draft.algorithm is not DraftAlgorithm.NGRAM:
+            raise SubfieldError(
+                "speculative.ngram",
+                f"set for spec.draft.algorithm {self.draft.algorithm.value}: it configures "
+                f"NGRAM drafting only; drop it or set the algorithm to NGRAM",
+            )
         return self
+
+    @property
+    def ngram(self) -> NgramSpec | None:
+        """NGRAM drafting's settings (the defaults when left out), None for other drafts."""
+        if self.draft is None or self.draft.algorithm is not DraftAlgorithm.NGRAM:
+            return None
+        return self.speculative.ngram or NgramSpec()
 
     @model_validator(mode="after")
     def _gpus_match_tensor(self) -> DeploymentSpec:

@@ -1,8 +1,10 @@
-"""`spec.speculative`: draft steps, tree shape, adaptive steps and the load policy, with
-the rules that tie numSteps, topk and numDraftTokens together."""
+"""`spec.draft` and `spec.speculative`: the drafter, draft steps, tree shape, adaptive
+steps, the load policy and NGRAM's match lengths, with the rules that tie numSteps, topk
+and numDraftTokens together."""
 
 from __future__ import annotations
 
+from enum import Enum
 from functools import cached_property
 from typing import Annotated, Any
 
@@ -10,6 +12,37 @@ from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 
 from specd.workers.rung import Rung
 from specd.workers.spec_model import SpecModel, SubfieldError
+
+
+class DraftAlgorithm(str, Enum):
+    EAGLE = "EAGLE"
+    EAGLE3 = "EAGLE3"
+    NGRAM = "NGRAM"  # prompt lookup over the request's own tokens: no draft model
+
+    @property
+    def has_model(self) -> bool:
+        """Whether this algorithm drafts with a model loaded from ``spec.draft.path``."""
+        return self is not DraftAlgorithm.NGRAM
+
+
+class DraftSpec(SpecModel):
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="Local folder of the draft head (EAGLE, EAGLE3); NGRAM takes none",
+    )
+    algorithm: DraftAlgorithm = DraftAlgorithm.EAGLE
+
+    @model_validator(mode="after")
+    def _path_matches_algorithm(self) -> DraftSpec:
+        name = self.algorithm.value
+        if self.algorithm.has_model and self.path is None:
+            raise SubfieldError("path", f"{name} drafts with a model: give its local folder")
+        if not self.algorithm.has_model and self.path is not None:
+            raise SubfieldError(
+                "path", f"{name} drafts from the request's own tokens: leave path out"
+            )
+        return self
 
 
 class CandidateRung(SpecModel):
@@ -107,6 +140,24 @@ class SpeculationPolicySpec(SpecModel):
         return self.cost_model.enabled and self.max_batch_for_spec is None
 
 
+class NgramSpec(SpecModel):
+    """NGRAM drafting (prompt lookup): the request's last n tokens, for the longest n in
+    [minMatch, maxMatch] that occurred before in its own tokens, propose what followed."""
+
+    min_match: int = Field(1, ge=1, le=64, description="Shortest suffix that may match (tokens)")
+    max_match: int = Field(8, ge=1, le=64, description="Longest suffix tried first (tokens)")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramSpec:
+        if self.min_match > self.max_match:
+            raise SubfieldError(
+                "minMatch",
+                f"{self.min_match} exceeds maxMatch ({self.max_match}): lower minMatch "
+                f"or raise maxMatch",
+            )
+        return self
+
+
 class SpeculativeSpec(SpecModel):
     num_steps: int = Field(3, ge=1, le=16, description="Draft steps per verify (S)")
     topk: int = Field(1, ge=1, le=16, description="Branching per draft step (k); 1 = chain")
@@ -115,6 +166,9 @@ class SpeculativeSpec(SpecModel):
     )
     adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
     policy: SpeculationPolicySpec = Field(default_factory=SpeculationPolicySpec)
+    ngram: NgramSpec | None = Field(
+        None, description="NGRAM drafting's match lengths (spec.draft.algorithm NGRAM)"
+    )
     # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
     # it neither reaches the engine config nor changes the config hash (no needless roll).
     min_accept_length: float = Field(

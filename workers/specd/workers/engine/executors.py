@@ -37,7 +37,6 @@ from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.cost_model import batch_bucket
 from specd.workers.speculative.decoder import SpecDecoder, SpecStepOut
 from specd.workers.speculative.deferred_extend import CATCH_UP_AT
-from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.step_graphs import SpecGraphs
 
 if TYPE_CHECKING:
@@ -162,14 +161,12 @@ class SpeculativeExecutor(StepExecutor):
         overlap: bool,
         *,
         decoder: SpecDecoder,
-        draft_head: DraftHead,
         policy: SpecPolicy,
         graph_rungs: Sequence[Rung],
         metrics: EngineMetrics,
     ):
         super().__init__(scheduler, runner, compute, overlap)
         self.decoder = decoder
-        self.draft_head = draft_head
         self.policy = policy
         self.graph_rungs = list(graph_rungs)
         self.metrics = metrics
@@ -247,7 +244,7 @@ class SpeculativeExecutor(StepExecutor):
 
     def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Compute side of a prefill/decode batch, then the draft over the same positions."""
-        result = self.runner.run(batch, self.draft_head.capture_layers)
+        result = self.runner.run(batch, self.decoder.capture_layers)
         self._draft_after_extend(batch, result)
         return result
 
@@ -255,7 +252,7 @@ class SpeculativeExecutor(StepExecutor):
         """Draft rows for the positions the target just filled (token ``p + 1`` with the
         target's hidden at ``p``; the last one of a finished prompt is the sampled token).
         A plain decode beside the prefill chunks leaves its token to the draft's backlog."""
-        features = self.draft_head.features(result.hidden, result.aux)
+        features = self.decoder.features(result.hidden, result.aux)
         spans = FilledSpan.of(batch, result)
         extends = [s for s in spans if not s.plain_decode]
         self.decoder.after_extend(
@@ -295,6 +292,9 @@ class SpeculativeExecutor(StepExecutor):
         self.policy.observe(
             rung, batch.plain_reason, accepted, self._step_seconds(batch, out), len(batch.reqs)
         )
+        if out.shadow_accepted:
+            self.policy.observe_shadow(self.decoder.shadow_rung, out.shadow_accepted)
+            self.metrics.observe_shadow(out.shadow_accepted)
         deferred = batch.plain_reason in DEFERRING
         if deferred:  # a full backlog: what staying plain costs
             self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)

@@ -69,6 +69,8 @@ from specd.workers.scheduler.session_store import SessionStore
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
+from specd.workers.speculative.ngram import NgramProposer
+from specd.workers.speculative.ngram_decoder import NgramDecoder
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -256,7 +258,7 @@ def build_follower(
     model, config = load_target(spec, device, knobs, None, tp)
     models: dict = {"target": model}
     shapes = {"target": local_pool_shape(config, config.num_hidden_layers, tp.size)}
-    if spec.draft is not None:
+    if has_draft_model(spec):
         draft, draft_config = load_spec_draft(spec, model, config, device, knobs)
         models["draft"] = draft
         shapes["draft"] = local_pool_shape(draft_config.model, draft_config.num_kv_layers, tp.size)
@@ -286,7 +288,7 @@ def load_models(
             check_widest_rung_fits_context(spec_shape, spec.kv_cache.page_size, context_length)
         spec_policy = SpecPolicy(spec.speculative)
     draft_head = None
-    if spec.draft is not None:
+    if has_draft_model(spec):
         draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))
     return Models(
         tokenizer=tokenizer,
@@ -299,6 +301,11 @@ def load_models(
         spec_policy=spec_policy,
         draft_head=draft_head,
     )
+
+
+def has_draft_model(spec: DeploymentSpec) -> bool:
+    """A draft model to load (EAGLE, EAGLE3): NGRAM drafts without one."""
+    return spec.draft is not None and spec.draft.algorithm.has_model
 
 
 def load_spec_draft(
@@ -443,9 +450,27 @@ def build_spec_decoder(
     processors: LogitsProcessors,
     ops: KernelOps,
 ) -> SpecDecoder | None:
-    """The speculative decoder over the target and the draft (None without a draft)."""
-    if models.draft_head is None:
+    """The speculative decoder over the target and the draft model, or NGRAM drafting's
+    (None for plain decode)."""
+    if models.spec_shape is None:
         return None
+    if spec.ngram is not None:
+        policy = models.spec_policy  # plain steps measure what its rung would accept
+        plain = policy.cost_model is not None or policy.max_batch_for_spec is not None
+        measured = policy.fixed if plain and policy.fixed.speculates else None
+        return NgramDecoder(
+            models.model,
+            NgramProposer(spec.ngram.min_match, spec.ngram.max_match, device, ops),
+            spec.kv_cache.page_size,
+            memory.req_pool,
+            memory.kv_pool,
+            memory.backend,
+            device,
+            ops=ops,
+            force_accept_len=knobs.force_accept_len,
+            processors=processors,
+            shadow_rung=measured,
+        )
     return SpecDecoder(
         models.model,
         models.draft_head,
@@ -499,7 +524,6 @@ def build_executor(
         compute,
         overlap,
         decoder=spec_decoder,
-        draft_head=models.draft_head,
         policy=models.spec_policy,
         graph_rungs=spec_graph_rungs(spec.speculative),
         metrics=metrics,
@@ -513,6 +537,8 @@ def graphs_off_reason(
     them (captured on CUDA; without it emulated, see ``EmulatedGraph``)."""
     if not spec.cuda_graph.enabled:
         return "spec.cudaGraph.enabled is false"
+    if spec.ngram is not None:
+        return "NGRAM drafting runs its verify eagerly (no graphs captured for it yet)"
     if tensor > 1:  # rank 0 sends each eager call's inputs; a replay has none to send
         return f"spec.parallelism.tensor is {tensor}: graphs run at tensor 1 only"
     if not available_backends()[backend_name].supports_graphs:

@@ -161,6 +161,16 @@ class EngineMetrics:
             "Tokens drafting requests decoded plainly in a prefill step, beside its "
             "chunks, instead of waiting for the next verify (their draft reads them later)",
         )
+        self.spec_shadow_walks = counter(
+            "specd_spec_shadow_walks",
+            "NGRAM drafts measured on plain steps: proposed where the engine decoded "
+            "plainly, then walked with the tokens plain decode produced, as a verify would",
+        )
+        self.spec_shadow_accepted = counter(
+            "specd_spec_shadow_accepted",
+            "Drafts the shadow walks accepted (their mean is the acceptance plain steps "
+            "measure for the cost model)",
+        )
         self.spec_cost_seconds = gauge(
             "specd_spec_cost_seconds_per_request",
             "The cost model's EMA of a verify step's compute seconds per request, by batch "
@@ -226,6 +236,12 @@ class EngineMetrics:
         """Count the tokens a prefill step decoded plainly for drafting requests."""
         if tokens:
             self.spec_prefill_step_decodes.inc(tokens)
+
+    def observe_shadow(self, accepted: tuple[int, ...]) -> None:
+        """Count finished shadow walks and the drafts they accepted."""
+        if accepted:
+            self.spec_shadow_walks.inc(len(accepted))
+            self.spec_shadow_accepted.inc(sum(accepted))
 
     def observe_cost(
         self, bucket: int, steps: int, seconds: float | None, predicted: float | None

@@ -36,7 +36,9 @@ def vocabulary_of(spec: DeploymentSpec) -> str:
 def kv_layout_of(spec: DeploymentSpec, dtype: torch.dtype) -> str:
     """What a session's KV was computed by: target files and dtype, and the draft's."""
     draft = spec.draft
-    drafted = f"{draft.path} ({draft.algorithm.value})" if draft is not None else "no draft"
+    drafted = "no draft"
+    if draft is not None:
+        drafted = f"{draft.path or 'no draft model'} ({draft.algorithm.value})"
     tensor = spec.parallelism.tensor
     split = f", over {tensor} ranks" if tensor > 1 else ""
     return f"{spec.model.path} {dtype}, {drafted}{split}"

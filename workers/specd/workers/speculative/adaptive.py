@@ -151,6 +151,11 @@ class SpecPolicy:
         if self.controller is not None and plain_reason in (None, PlainReason.RUNG):
             self.controller.observe(rung, accepted)
 
+    def observe_shadow(self, rung: Rung, accepted: Sequence[int]) -> None:
+        """Drafts ``rung`` would have accepted, measured on plain steps."""
+        if self.cost_model is not None:
+            self.cost_model.observe_accepted(rung, accepted)
+
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """The draft caught up on ``tokens`` deferred by plain steps in ``seconds``."""
         if self.cost_model is not None:

@@ -6,8 +6,11 @@ Plain Python, no torch.  The engine feeds it the compute seconds of every verify
 * per batch-size bucket (``batch_bucket``) and rung, the median of the newest
   ``COST_WINDOW`` step times per request (``StepCost``): a median, since one step that
   met a page fault or a GC pause must not decide for long;
-* per speculating rung, an EMA (``emaAlpha``) of the accepted drafts per request, bonus
-  excluded (acceptance does not depend on the batch size);
+* per speculating rung, an EMA of the accepted drafts per request, bonus excluded
+  (acceptance does not depend on the batch size), weighted by requests: ``emaAlpha``
+  per ``ACCEPTANCE_BATCH`` requests' samples; a draft-free drafter also
+  measures it on plain steps (``observe_accepted``), so a rung that lost on acceptance
+  wins back as soon as its drafts would be accepted again;
 * an EMA of the seconds per token the draft took to catch up on deferred plain steps
   (``deferred_extend.py``): a cost of plain steps that they do not pay themselves.
 
@@ -47,6 +50,9 @@ FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
 MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
 COST_WINDOW = 3  # the newest step times whose median is the cost
 SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun is cheap
+# the acceptance EMA moves by emaAlpha per this many requests' samples: a batch of one
+# (a ragged end, a lone looping request) must not weigh as much as a full batch
+ACCEPTANCE_BATCH = 8
 MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
 
 
@@ -57,11 +63,13 @@ class Ema:
     alpha: float
     value: float | None = None
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, weight: float = 1.0) -> None:
+        """Move toward ``sample`` by ``alpha``, compounded ``weight`` times (a mean of
+        ``weight`` samples moves it as they would one by one, nearly)."""
         if self.value is None:
             self.value = sample
         else:
-            self.value += self.alpha * (sample - self.value)
+            self.value += (1.0 - (1.0 - self.alpha) ** weight) * (sample - self.value)
 
 
 @dataclass(slots=True)
@@ -184,9 +192,14 @@ class CostModel:
             return
         state = self._buckets.setdefault(batch_bucket(batch_size), Bucket())
         state.costs.setdefault(rung, StepCost()).add(seconds / batch_size)
+        self.observe_accepted(rung, accepted)
+
+    def observe_accepted(self, rung: Rung, accepted: Sequence[int]) -> None:
+        """Accepted drafts per request at a speculating ``rung``: a verify's, or walks
+        of its draft measured on plain steps (``ngram_decoder.py``)."""
         if rung.speculates and accepted:
             ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
-            ema.add(sum(accepted) / len(accepted))
+            ema.add(sum(accepted) / len(accepted), len(accepted) / ACCEPTANCE_BATCH)
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """The draft read ``tokens`` deferred tokens in ``seconds``."""

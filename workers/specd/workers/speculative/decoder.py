@@ -112,17 +112,19 @@ class SpecStepOut:
     seconds: float = 0.0  # the step's compute time, set by the executor (cost model)
     catch_up_seconds: float = 0.0  # of which the draft reading deferred tokens took
     catch_up_tokens: int = 0  # the deferred tokens it read
+    # drafts a speculating step would have accepted, measured on plain tokens (NGRAM)
+    shadow_accepted: tuple[int, ...] = ()
 
 
 class SpecDecoder:
     def __init__(
         self,
         target: LlamaForCausalLM,
-        head: DraftHead,
+        head: DraftHead | None,
         page_size: int,
         req_pool: ReqToTokenPool,
         target_pool: KVPool,
-        draft_pool: KVPool,
+        draft_pool: KVPool | None,
         backend: AttentionBackend,
         device: torch.device,
         *,
@@ -147,10 +149,12 @@ class SpecDecoder:
         self.last_seq_lens: SeqLens | None = None  # the last step's lengths (tests, debugging)
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
-        self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
         self.guided_drafts = guided_drafts  # constrained requests draft what their grammar allows
-        self._draft_vocab = head.draft_vocab_targets()  # guided drafting's id map
+        if head is not None:  # a draft model (a draft-free subclass drafts otherwise)
+            self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
+            self._draft_vocab = head.draft_vocab_targets()  # guided drafting's id map
         self.graphs = None  # SpecGraphs once the engine enables CUDA graphs
+        self.shadow_rung: Rung | None = None  # see ``shadow_samples``
 
     def layout_for(self, rung: Rung) -> TreeLayout:
         """The draft-tree placement of ``rung`` (one per rung, built on first use)."""
@@ -254,11 +258,7 @@ class SpecDecoder:
             caught_up = self.defer(reqs, roots, [t[0] for t in tokens], root_features)
         else:
             accepted = AcceptedPaths(rows, roots, tokens, features, result.accept_index)
-            outputs = self._extend_accepted(rung, accepted)
-            for req, root, toks, (feats, hidden_) in zip(
-                reqs, new_roots, tokens, outputs, strict=True
-            ):
-                self.states[req.rid] = DraftState(root, toks[-1], feats, hidden_)
+            self._advance(reqs, new_roots, rung, accepted)
         return SpecStepOut(
             new_tokens=tuple(tuple(t) for t in tokens),
             accept_lens=tuple(n - 1 for n in n_new),  # the bonus is the one not drafted
@@ -267,7 +267,13 @@ class SpecDecoder:
             unusable=tuple(unusable.nonzero().flatten().tolist()),
             catch_up_seconds=caught_up[0],
             catch_up_tokens=caught_up[1],
+            shadow_accepted=self.shadow_samples(),
         )
+
+    def shadow_samples(self) -> tuple[int, ...]:
+        """Acceptance measured on plain steps since the last call (a draft model's
+        would need its forward: none)."""
+        return ()
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
@@ -277,17 +283,23 @@ class SpecDecoder:
         Once a backlog is full the whole batch catches up -> that catch-up's (seconds,
         tokens read); zeros if none."""
         for req, root, token, feature in zip(reqs, roots, tokens, root_features, strict=True):
-            state = self.states[req.rid]
-            if state.root_position != root:
-                raise RuntimeError(
-                    f"request {req.rid}: a plain step decoded position {root} but its "
-                    f"draft state's root is at {state.root_position}"
-                )
+            state = self.state_at(req, root)
             backlog = state if isinstance(state, Backlog) else Backlog(root, (), ())
             self.states[req.rid] = backlog.extended(token, feature)
         if any(self.states[r.rid].full for r in reqs):
             return self.catch_up(reqs)
         return 0.0, 0
+
+    def state_at(self, req: Req, root: int):
+        """``req``'s drafting state, which a step that decoded position ``root`` expects
+        to have its root there (raises naming the request otherwise)."""
+        state = self.states[req.rid]
+        if state.root_position != root:
+            raise RuntimeError(
+                f"request {req.rid}: a step decoded position {root} but its draft "
+                f"state's root is at {state.root_position}"
+            )
+        return state
 
     def catch_up(self, reqs: list[Req]) -> tuple[float, int]:
         """The draft reads the backlogs of ``reqs`` in one extend, so each has a current
@@ -310,6 +322,16 @@ class SpecDecoder:
         if self.device.type == "cuda":  # timed apart from the step around it
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start, sum(len(b.tokens) for _, b in behind)
+
+    def _advance(
+        self, reqs: list[Req], new_roots: list[int], rung: Rung, accepted: AcceptedPaths
+    ) -> None:
+        """After a verify: each request's draft state moves to its new root."""
+        outputs = self._extend_accepted(rung, accepted)
+        for req, root, toks, (feats, hidden) in zip(
+            reqs, new_roots, accepted.tokens, outputs, strict=True
+        ):
+            self.states[req.rid] = DraftState(root, toks[-1], feats, hidden)
 
     def _extend_accepted(
         self, rung: Rung, accepted: AcceptedPaths
@@ -418,12 +440,21 @@ class SpecDecoder:
         ctx = ForwardContext.planned(self.backend, meta, out_loc, self.target_pool)
         return self.verify_body(tokens, positions, ctx)
 
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target residual streams the draft reads (EAGLE-3), else ()."""
+        return self.head.capture_layers
+
+    def features(self, hidden: torch.Tensor, aux: dict[int, torch.Tensor]) -> torch.Tensor:
+        """A target forward's outputs -> the draft's input features [N, H]."""
+        return self.head.features(hidden, aux)
+
     def verify_body(
         self, tokens: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward of a verify -> (hidden, draft features), device-only."""
-        hidden, aux = self.target.forward_with_aux(tokens, positions, ctx, self.head.capture_layers)
-        return hidden, self.head.features(hidden, aux)
+        hidden, aux = self.target.forward_with_aux(tokens, positions, ctx, self.capture_layers)
+        return hidden, self.features(hidden, aux)
 
     def _accept(
         self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor

@@ -1,0 +1,216 @@
+"""NGRAM drafting (prompt lookup): propose what followed earlier occurrences of a
+request's last tokens in its own tokens (prompt, session history and output).
+
+``TokenHistory`` keeps one request's tokens in a growing array.  ``NgramProposer``
+finds, per request, the earlier positions whose preceding tokens equal the request's
+suffix, for the longest suffix length in ``[min_match, max_match]`` (the most recent
+occurrence first), and turns what followed them into a draft tree: a trie of up to
+``topk`` children per node and ``steps`` deep, of which the ``T - 1`` nodes most
+continuations pass through are kept (a parent always before its children).  A request
+with fewer proposals pads its tree with copies of the root token under the root: they
+are verified like any draft and only accepted where the target agrees, so the output
+never changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.speculative.tree import DraftTree
+
+# continuations read per request: enough to fill a topk-wide tree from distinct matches
+CONTINUATIONS_PER_BRANCH = 4
+
+
+class TokenHistory:
+    """One request's tokens, appended in place (amortized doubling)."""
+
+    def __init__(self, tokens: list[int]):
+        self._buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._len = 0
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self._len]
+
+    def extend(self, tokens: list[int] | tuple[int, ...]) -> None:
+        end = self._len + len(tokens)
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : end] = tokens
+        self._len = end
+
+
+def match_continuations(
+    tokens: np.ndarray, min_match: int, max_match: int, length: int, limit: int
+) -> list[np.ndarray]:
+    """Up to ``limit`` continuations (each at most ``length`` tokens) of earlier
+    occurrences of the suffix of ``tokens``: the longest matching suffix length in
+    ``[min_match, max_match]`` first, then the most recent occurrence."""
+    n = len(tokens)
+    if n < min_match + 1:
+        return []
+    last = n - 1
+    # occurrence ends e < last with tokens[e] == the last token; grown backwards below
+    ends = np.flatnonzero(tokens[:last] == tokens[last])
+    if len(ends) == 0:
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(max_match, last)):
+        prev = ends - back
+        ok = alive & (prev >= 0)
+        ok[ok] = tokens[prev[ok]] == tokens[last - back]
+        matched += ok
+        alive = ok
+        if not alive.any():
+            break
+    keep = matched >= min_match
+    if not keep.any():
+        return []
+    ends, matched = ends[keep], matched[keep]
+    order = np.lexsort((-ends, -matched))[:limit]  # longest match, then most recent
+    return [tokens[e + 1 : e + 1 + length] for e in ends[order]]
+
+
+@dataclass(slots=True)
+class _Node:
+    token: int
+    parent: int  # index in the trie, -1 for the root's children
+    depth: int
+    count: int = 1  # continuations through this node
+    children: int = 0
+
+
+def continuation_tree(
+    continuations: list[np.ndarray], topk: int, num_nodes: int
+) -> tuple[list[int], list[int]]:
+    """A trie of ``continuations`` (at most ``topk`` children per node) -> the draft
+    nodes' (tokens, parents) of the best ``num_nodes`` of it, node 0 being the root's
+    first child: parents index the kept list, -1 for the root; parents come first."""
+    trie: list[_Node] = []
+    child_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    root_children = 0
+    for cont in continuations:
+        parent = -1
+        for token in cont.tolist():
+            node = child_of.get((parent, token))
+            if node is None:
+                width = root_children if parent < 0 else trie[parent].children
+                if width >= topk:
+                    break
+                node = len(trie)
+                depth = 1 if parent < 0 else trie[parent].depth + 1
+                trie.append(_Node(token, parent, depth, count=0))
+                child_of[(parent, token)] = node
+                if parent < 0:
+                    root_children += 1
+                else:
+                    trie[parent].children += 1
+            trie[node].count += 1
+            parent = node
+    # a child never has more continuations than its parent, and is deeper: sorting by
+    # (count desc, depth, insertion) keeps every kept node's parent ahead of it
+    order = sorted(range(len(trie)), key=lambda i: (-trie[i].count, trie[i].depth, i))
+    kept = order[:num_nodes]
+    slot = {node: i for i, node in enumerate(kept)}
+    tokens = [trie[i].token for i in kept]
+    parents = [-1 if trie[i].parent < 0 else slot[trie[i].parent] for i in kept]
+    return tokens, parents
+
+
+@dataclass(slots=True)
+class ShadowDraft:
+    """The draft a speculating step would have verified at a root where the engine
+    decoded plainly instead; the plain tokens that follow walk it as a verify would
+    (greedy, or sampled: a sampled token equals a proposal as often as target-only
+    verification accepts it), which measures NGRAM's acceptance on plain steps."""
+
+    children: dict[tuple[int, int], int]  # (node, token) -> child node; the root is -1
+    steps: int
+    node: int = -1
+    accepted: int = 0
+
+    def follow(self, token: int) -> int | None:
+        """The next plain token -> the drafts accepted once the walk ends (this token
+        was the verify's bonus), else None."""
+        if self.accepted < self.steps:
+            child = self.children.get((self.node, token))
+            if child is not None:
+                self.node, self.accepted = child, self.accepted + 1
+                return None
+        return self.accepted
+
+
+class NgramProposer:
+    """Draft trees for a batch from each request's own tokens (``TokenHistory``)."""
+
+    def __init__(
+        self,
+        min_match: int,
+        max_match: int,
+        device: torch.device,
+        ops: KernelOps = TORCH_OPS,
+    ):
+        self.min_match = min_match
+        self.max_match = max_match
+        self.device = device
+        self.ops = ops
+
+    def first_tokens(self, histories: list[TokenHistory]) -> list[int]:
+        """Per request, the one token a chain would propose next, or -1 (no match)."""
+        out = []
+        for history in histories:
+            found = match_continuations(history.tokens, self.min_match, self.max_match, 1, 1)
+            out.append(int(found[0][0]) if found and len(found[0]) else -1)
+        return out
+
+    def tree(
+        self, histories: list[TokenHistory], steps: int, topk: int, num_tokens: int
+    ) -> DraftTree:
+        """A ``num_tokens``-node tree per request (root = its last token), at most
+        ``steps`` deep and ``topk`` wide, built from its earlier matches."""
+        all_tokens, all_parents = [], []
+        for history in histories:
+            tokens, parents = self._nodes(history, steps, topk, num_tokens)
+            root = int(history.tokens[-1])
+            pad = num_tokens - 1 - len(tokens)
+            # node i of the kept list is tree node i + 1; padding hangs under the root
+            all_tokens.append([root] + tokens + [root] * pad)
+            all_parents.append([-1] + [p + 1 for p in parents] + [0] * pad)
+        return DraftTree.from_parents(
+            host_tensor(all_tokens, self.device),
+            host_tensor(all_parents, self.device),
+            num_steps=steps,
+            ops=self.ops,
+        )
+
+    def shadow(self, history: TokenHistory, steps: int, topk: int, num_tokens: int) -> ShadowDraft:
+        """What ``tree`` would propose for this request now, as a ``ShadowDraft``."""
+        tokens, parents = self._nodes(history, steps, topk, num_tokens)
+        nodes = enumerate(zip(tokens, parents, strict=True))
+        children = {(parent, token): i for i, (token, parent) in nodes}
+        return ShadowDraft(children, steps)
+
+    def _nodes(
+        self, history: TokenHistory, steps: int, topk: int, num_tokens: int
+    ) -> tuple[list[int], list[int]]:
+        """One request's proposed nodes (``continuation_tree``), padding not included."""
+        found = match_continuations(
+            history.tokens,
+            self.min_match,
+            self.max_match,
+            steps,
+            topk * CONTINUATIONS_PER_BRANCH,
+        )
+        return continuation_tree(found, topk, num_tokens - 1)

@@ -1,0 +1,180 @@
+"""The speculative decoder with NGRAM drafting: no draft model, no draft KV.
+
+Everything after the draft is `SpecDecoder`'s: the verify forward over the tree, greedy
+or tree speculative sampling (drafts are deterministic proposals, which is what its
+target-only sampling assumes), the accepted path's KV move, log-probs, grammars and the
+plain rung.  What differs is the drafting state: per request, its tokens so far
+(``TokenHistory``), kept on the compute side like EAGLE's draft state, so the host
+lagging a step behind under overlap changes nothing.  A token decoded plainly (a plain
+rung, or beside prefill chunks) is appended at once: there is no draft to catch up.
+
+On plain steps the cost model still learns NGRAM's acceptance, which comes in bursts
+(a request starts copying its context, then stops): up to ``SHADOWS_AT_ONCE`` requests
+keep the draft they would have verified (``ShadowDraft``) and walk it with the tokens
+plain decode produces; each finished walk is a sample (``shadow_samples``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specd.kernels import AttentionBackend
+from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.mem_cache.kv_pool import KVPool
+from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.model.llama import LlamaForCausalLM
+from specd.workers.requests.request import Req
+from specd.workers.rung import Rung
+from specd.workers.runner.logits_processors import LogitsProcessors
+from specd.workers.speculative.decoder import AcceptedPaths, SpecDecoder
+from specd.workers.speculative.guided_draft import DraftGuide
+from specd.workers.speculative.layout import TreeLayout
+from specd.workers.speculative.ngram import NgramProposer, ShadowDraft, TokenHistory
+from specd.workers.speculative.tree import DraftTree
+
+SHADOWS_AT_ONCE = 8  # requests whose plain tokens measure acceptance at a time
+
+
+@dataclass(frozen=True, slots=True)
+class NgramState:
+    """A request's NGRAM drafting state: the root and every token up to it."""
+
+    root_position: int
+    root_token: int
+    history: TokenHistory  # tokens at positions 0..root_position (the root last)
+
+
+class NgramDecoder(SpecDecoder):
+    def __init__(
+        self,
+        target: LlamaForCausalLM,
+        proposer: NgramProposer,
+        page_size: int,
+        req_pool: ReqToTokenPool,
+        target_pool: KVPool,
+        backend: AttentionBackend,
+        device: torch.device,
+        *,
+        ops: KernelOps = TORCH_OPS,
+        force_accept_len: float | None = None,
+        processors: LogitsProcessors | None = None,
+        shadow_rung: Rung | None = None,
+    ):
+        """``shadow_rung``: measure on plain steps what this rung would accept (for the
+        cost model), or None."""
+        super().__init__(
+            target,
+            None,
+            page_size,
+            req_pool,
+            target_pool,
+            None,
+            backend,
+            device,
+            ops=ops,
+            force_accept_len=force_accept_len,
+            processors=processors,
+            guided_drafts=False,  # proposals are checked by the grammar at verify
+        )
+        self.proposer = proposer
+        self.shadow_rung = shadow_rung
+        self._shadows: dict[str, ShadowDraft] = {}  # rid -> its draft in the shadow
+        self._shadow_samples: list[int] = []
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def features(self, hidden: torch.Tensor, aux: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden  # unused: NGRAM reads tokens only
+
+    def after_extend(
+        self,
+        reqs: list[Req],
+        starts: list[int],
+        token_ids: list[list[int]],
+        features: list[torch.Tensor],
+        complete: list[bool],
+    ) -> None:
+        """A request whose prompt is now complete starts drafting from its sampled token,
+        with its prompt (session history included) as the tokens it matches against."""
+        for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True):
+            if done:
+                root = start + len(ids)
+                history = TokenHistory([*req.fill_ids[:root], ids[-1]])
+                self.states[req.rid] = NgramState(root, ids[-1], history)
+
+    def defer(
+        self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
+    ) -> tuple[float, int]:
+        """A plainly decoded token joins its request's tokens at once -> (0.0, 0)."""
+        for req, root, token in zip(reqs, roots, tokens, strict=True):
+            state = self.state_at(req, root)
+            shadow = self._shadow(req.rid, state.history)
+            state.history.extend((token,))
+            self.states[req.rid] = NgramState(root + 1, token, state.history)
+            accepted = None if shadow is None else shadow.follow(token)
+            if accepted is not None:  # the walk ended: the next root drafts anew
+                self._shadow_samples.append(accepted)
+                del self._shadows[req.rid]
+        return 0.0, 0
+
+    def _shadow(self, rid: str, history: TokenHistory) -> ShadowDraft | None:
+        """The request's draft in the shadow, proposed now (at its root) if it has none
+        and fewer than ``SHADOWS_AT_ONCE`` requests have one (a bound on the cost)."""
+        shadow = self._shadows.get(rid)
+        if (
+            shadow is None
+            and self.shadow_rung is not None
+            and (len(self._shadows) < SHADOWS_AT_ONCE)
+        ):
+            rung = self.shadow_rung
+            shadow = self.proposer.shadow(history, rung.steps, rung.topk, rung.draft_tokens)
+            self._shadows[rid] = shadow
+        return shadow
+
+    def shadow_samples(self) -> tuple[int, ...]:
+        samples, self._shadow_samples = tuple(self._shadow_samples), []
+        return samples
+
+    def drop(self, rids: list[str]) -> None:
+        super().drop(rids)
+        for rid in rids:
+            self._shadows.pop(rid, None)
+
+    def catch_up(self, reqs: list[Req]) -> tuple[float, int]:
+        return 0.0, 0  # nothing is ever behind
+
+    def _advance(
+        self, reqs: list[Req], new_roots: list[int], rung: Rung, accepted: AcceptedPaths
+    ) -> None:
+        for req, old, new, toks in zip(
+            reqs, accepted.roots, new_roots, accepted.tokens, strict=True
+        ):
+            state = self.state_at(req, old)
+            self._shadows.pop(req.rid, None)  # a real verify ran: its walk is moot
+            state.history.extend(toks)
+            self.states[req.rid] = NgramState(new, toks[-1], state.history)
+
+    def _duplicate_prefix_tails(
+        self, rows: list[int], roots: list[int], layout: TreeLayout
+    ) -> None:
+        pass  # no draft KV to lay out
+
+    def _draft_tree(
+        self,
+        rows: list[int],
+        states: list[NgramState],
+        layout: TreeLayout,
+        rung: Rung,
+        guide: DraftGuide | None,
+    ) -> DraftTree:
+        histories = [s.history for s in states]
+        return self.proposer.tree(histories, rung.steps, rung.topk, rung.draft_tokens)
+
+    def _draft_guesses(self, states: list[NgramState]) -> torch.Tensor:
+        """The plain rung's probe: the token a chain would propose after each root."""
+        guesses = self.proposer.first_tokens([s.history for s in states])
+        return host_tensor(guesses, self.device)
