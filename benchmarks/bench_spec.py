@@ -3,8 +3,10 @@
 ``specd-chain`` and ``specd-tree`` run the default policy (the cost model picks
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
-``specd-ngram-chain`` and ``specd-ngram-tree`` run the same shapes with NGRAM drafting
-(prompt lookup, no draft model), the peer of ``transformers-pld``.
+``specd-ngram-*`` and ``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt
+lookup, no draft model; the peer of ``transformers-pld``) and SUFFIX drafting (which also
+proposes the replica's earlier outputs: the untimed warm-up run fills its cache, as a
+workload that repeats itself would).
 
 Greedy, fixed output length, prompts cut from held-out text (the demo corpus's
 validation files), engines in their own processes, interleaved repeats, medians printed
@@ -26,6 +28,7 @@ draft folder and chain length, when ``--vllm-python`` is given.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -49,7 +52,7 @@ def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
 
 
 def spec_fields(
-    draft: str | None,
+    draft: str,
     steps: int,
     topk: int,
     tokens: int,
@@ -60,10 +63,14 @@ def spec_fields(
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if not cost_model:  # always speculate: the policy before the cost model
         speculative["policy"] = {"costModel": {"enabled": False}}
-    ngram = {"algorithm": "NGRAM"}  # draft None: NGRAM drafting, no draft model
+    drafted = (
+        {"algorithm": draft}
+        if draft in ("NGRAM", "SUFFIX")
+        else {"path": str(Path(draft).resolve())}
+    )
     return json.dumps(
         {
-            "draft": ngram if draft is None else {"path": str(Path(draft).resolve())},
+            "draft": drafted,
             "speculative": speculative,
             "kvCache": {"pageSize": page},
             "scheduler": {"overlap": overlap},
@@ -145,9 +152,12 @@ def main(argv=None):
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
         always = spec_fields(args.draft, *shape, cost_model=False)
         workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))
-    for name, shape in (("specd-ngram-chain", chain_shape), ("specd-ngram-tree", tree_shape)):
-        ngram = spec_fields(None, *shape)
-        workers.append(Worker("specd", py, args.target, "float32", max_batch, name, ngram))
+    for algorithm, (kind, shape) in itertools.product(
+        ("NGRAM", "SUFFIX"), (("chain", chain_shape), ("tree", tree_shape))
+    ):
+        name = f"specd-{algorithm.lower()}-{kind}"
+        fields = spec_fields(algorithm, *shape)
+        workers.append(Worker("specd", py, args.target, "float32", max_batch, name, fields))
     workers += [
         Worker("transformers", py, args.target, "float32", max_batch),
         Worker("transformers-pld", py, args.target, "float32", max_batch),

@@ -308,8 +308,8 @@ def test_cr_to_openai_answer_to_status_scale_update_delete(tmp_path, ray_address
             )
             assert _condition(cluster, "SpeculationEffective")["status"] == "True"
             table = cluster.kubectl("get", "sdd")
-            assert table.split()[:8] == [
-                "NAME", "READY", "REPLICAS", "ACCEPT-LEN", "KV-USAGE", "AGE", NAME, "1/1",
+            assert table.split()[:9] == [
+                "NAME", "READY", "REPLICAS", "DRAFT", "ACCEPT-LEN", "KV-USAGE", "AGE", NAME, "1/1",
             ]  # fmt: skip
 
             # -- scale through the scale subresource -> the gateway follows the ConfigMap

@@ -51,6 +51,15 @@ def per_replica(metric: str, agg: str = "sum") -> str:
     return f"{agg} by ({PER_REPLICA}) ({sel(metric)})"
 
 
+def by_algorithm(per_replica: str) -> str:
+    """A per-replica query summed per deployment and drafting algorithm."""
+    info = sel("specd_spec_draft_info")
+    return (
+        f"sum by (deployment, algorithm) ({per_replica} * on (deployment, replica) "
+        f"group_left (algorithm) {info})"
+    )
+
+
 def rate_per_replica_by(metric: str, label: str) -> tuple[str, str]:
     """(query, legend): a counter's rate per replica and ``label``."""
     return rate(metric, by=f"{PER_REPLICA}, {label}"), f"{REPLICA_LEGEND} {{{{{label}}}}}"
@@ -187,6 +196,17 @@ def speculative() -> dict:
                 [(f"1 + {rate(accepted)} / {rate(verifies)}", REPLICA_LEGEND)],
                 description="1 + accepted drafts / verify steps: the number kubectl shows "
                 "as Accept-Len and the operator compares with minAcceptLength",
+            ),
+            panel(
+                "Mean accept length by drafting algorithm",
+                [
+                    (
+                        f"1 + {by_algorithm(rate(accepted))} / {by_algorithm(rate(verifies))}",
+                        "{{deployment}} {{algorithm}}",
+                    )
+                ],
+                description="As above, replicas summed per spec.draft.algorithm "
+                "(specd_spec_draft_info): EAGLE, EAGLE3, NGRAM or SUFFIX",
             ),
             panel(
                 "Accept rate (accepted / proposed drafts)",

@@ -136,7 +136,7 @@ BAD = [
             **_demo(),
             "spec": {**_demo()["spec"], **SPEC, "speculative": {"ngram": {"maxMatch": 4}}},
         },
-        "spec.speculative.ngram configures NGRAM drafting only",
+        "spec.speculative.ngram configures NGRAM or SUFFIX drafting only",
     ),
     (
         "kv-both-sizes",
@@ -211,11 +211,14 @@ def _parity_cases():
             case["speculative"] = spec
         yield case
     drafts = ({"path": "/d"}, {"algorithm": "NGRAM"}, {"algorithm": "NGRAM", "path": "/d"},
-              {"algorithm": "EAGLE3"}, {"algorithm": "EAGLE3", "path": "/d"})  # fmt: skip
+              {"algorithm": "EAGLE3"}, {"algorithm": "EAGLE3", "path": "/d"},
+              {"algorithm": "SUFFIX"}, {"algorithm": "SUFFIX", "path": "/d"})  # fmt: skip
     ngrams = (None, {}, {"minMatch": 2, "maxMatch": 3}, {"minMatch": 4, "maxMatch": 3},
               {"minMatch": 9}, {"maxMatch": 2})  # fmt: skip
-    for draft, ngram in itertools.product(drafts, ngrams):
+    for draft, ngram, suffix in itertools.product(drafts, ngrams, (None, {"maxDepth": 4})):
         speculative = {} if ngram is None else {"ngram": ngram}
+        if suffix is not None:
+            speculative["suffix"] = suffix
         yield {**base, "draft": draft, "speculative": speculative}
     for kv in ({}, {"maxTokens": 8}, {"memFraction": 0.5}, {"maxTokens": 8, "memFraction": 0.5}):
         yield {**base, "kvCache": kv}
@@ -305,6 +308,7 @@ def test_crd_names_subresources_and_columns():
     assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [
         "READY",
         "REPLICAS",
+        "DRAFT",
         "ACCEPT-LEN",
         "KV-USAGE",
         "AGE",

@@ -649,8 +649,9 @@ def test_kubectl_apply_get_and_scale(cluster):
         wait_condition(cluster, "llama3-eagle3", "Ready", "True")
         table = cluster.kubectl("get", "sdd")
         header, row = table.strip().splitlines()
-        assert header.split() == ["NAME", "READY", "REPLICAS", "ACCEPT-LEN", "KV-USAGE", "AGE"]
-        assert row.split()[:5] == ["llama3-eagle3", "2/2", "2", "3", "0.37"]
+        columns = ["NAME", "READY", "REPLICAS", "DRAFT", "ACCEPT-LEN", "KV-USAGE", "AGE"]
+        assert header.split() == columns
+        assert row.split()[:6] == ["llama3-eagle3", "2/2", "2", "EAGLE3", "3", "0.37"]
         assert "scaled" in cluster.kubectl("scale", "sdd/llama3-eagle3", "--replicas", "3")
         assert sdd(cluster, "llama3-eagle3")["spec"]["replicas"] == 3
         cluster.wait_for(

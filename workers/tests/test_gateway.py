@@ -1136,6 +1136,49 @@ def test_rate_limits_per_api_key_apply_live(ray_cluster, model_dir):
         )
 
 
+def test_suffix_drafts_for_a_key_only_from_its_own_outputs(ray_cluster, model_dir):
+    """SUFFIX behind API keys: the gateway sends each request's key id to the engine.
+    Key a's second identical request drafts from its first one's output; key b's drafts
+    from its own tokens only, exactly as a's first did (greedy, one at a time).  The
+    engine's acceptance counters, as /admin/status reports them, tell which."""
+    speculative = {"numSteps": 4, "topk": 1, "numDraftTokens": 5}
+    speculative["policy"] = {"costModel": {"enabled": False}}
+    spec = spec_for_model(
+        model_dir,
+        replicas=1,
+        model={"name": MODEL},
+        resources={"cpu": 0.5},
+        draft={"algorithm": "SUFFIX"},
+        speculative=speculative,
+    )
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 40, "temperature": 0}
+    body["ignore_eos"] = True
+    with (
+        running_gateway(spec, "suffixkeys", api_keys=ApiKeys(("a", "b"))) as gw,
+        httpx.Client(base_url=gw.url, timeout=60) as http,
+    ):
+
+        def totals() -> tuple[int, int]:
+            [actor] = http.get("/admin/status").json()["actors"]
+            spec_totals = actor["load"]["speculation"]
+            return spec_totals["verify_steps"], spec_totals["accepted_tokens"]
+
+        def accepted(key: str) -> tuple[list, int]:
+            verifies, before = totals()
+            reply = http.post(
+                "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert reply.status_code == 200, reply.text
+            time.sleep(4.5)  # two health probes (every 2 s) after it finished
+            after = _wait_for(lambda: (t := totals())[0] > verifies and t, 30, "the counters")
+            return reply.json()["choices"][0]["text"], after[1] - before
+
+        (text1, first), (text2, again), (text3, other) = (accepted(k) for k in "aab")
+    assert text1 == text2 == text3
+    assert again > first + 10
+    assert other == first
+
+
 # -- failures and updates (slow) ----------------------------------------------------------
 
 

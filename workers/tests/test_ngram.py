@@ -22,10 +22,12 @@ from specd.devtools.testing import (
 from specd.workers.config import ConfigError, parse_deployment
 from specd.workers.speculative.ngram import (
     NgramProposer,
+    Proposal,
     ShadowDraft,
     TokenHistory,
     continuation_tree,
     match_continuations,
+    padded_tree,
 )
 
 MAX_NEW = 24
@@ -67,36 +69,38 @@ def test_a_continuation_may_run_into_the_suffix_itself():
 
 def test_the_trie_keeps_topk_children_and_the_most_shared_nodes():
     conts = [np.array(c) for c in ([5, 6, 7], [5, 6, 8], [5, 9, 9], [4, 4, 4], [3, 3, 3])]
-    tokens, parents = continuation_tree(conts, topk=2, num_nodes=5)
+    proposal = continuation_tree(conts, topk=2, num_nodes=5)
+    tokens, parents = proposal.tokens, proposal.parents
     # 5 (3 continuations), 6 (2), then one each: 4 (depth 1), 9 under 5 and 4 under 4
     # (depth 2, inserted in that order); [3, 3, 3] found the root full
     assert tokens == [5, 6, 4, 9, 4]
     assert parents == [-1, 0, -1, 0, 2]
     assert all(p < i for i, p in enumerate(parents))
-    chain, chain_parents = continuation_tree(conts, topk=1, num_nodes=3)
-    assert (chain, chain_parents) == ([5, 6, 7], [-1, 0, 1])  # the first continuation
+    assert proposal.score == (3 + 2 + 1 + 1 + 1) / 5  # continuations through kept nodes
+    chain = continuation_tree(conts, topk=1, num_nodes=3)
+    assert (chain.tokens, chain.parents) == ([5, 6, 7], [-1, 0, 1])  # the first continuation
 
 
 def test_the_proposer_pads_every_tree_to_its_size_under_the_root():
-    proposer = NgramProposer(1, 4, device="cpu")
+    proposer = NgramProposer(1, 4)
     histories = [TokenHistory([1, 2, 3, 1, 2]), TokenHistory([9, 8])]
-    tree = proposer.tree(histories, steps=3, topk=2, num_tokens=5)
+    proposals = [proposer.propose(h, steps=3, topk=2, num_nodes=4) for h in histories]
+    assert [p.tokens for p in proposals] == [[3, 1, 2], []]
+    tree = padded_tree(proposals, [2, 8], steps=3, num_tokens=5, device="cpu")
     tree.check_invariants()
     assert tree.tokens.tolist() == [[2, 3, 1, 2, 2], [8, 8, 8, 8, 8]]
     assert tree.parents.tolist() == [[-1, 0, 1, 2, 0], [-1, 0, 0, 0, 0]]
-    assert proposer.first_tokens(histories) == [3, -1]
 
 
 def test_a_shadow_walk_accepts_what_a_greedy_verify_would():
     # tree: 5 -> 6 -> 7, and 5 -> 9; 4 under the root
-    tokens, parents = [5, 4, 6, 9, 7], [-1, -1, 0, 0, 2]
-    children = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents, strict=True))}
-    walk = ShadowDraft(dict(children), steps=3)
+    proposal = Proposal([5, 4, 6, 9, 7], [-1, -1, 0, 0, 2])
+    walk = ShadowDraft.of(proposal, steps=3)
     assert [walk.follow(t) for t in (5, 6, 8)] == [None, None, 2]  # 8 is the bonus
-    walk = ShadowDraft(dict(children), steps=3)
+    walk = ShadowDraft.of(proposal, steps=3)
     assert [walk.follow(t) for t in (5, 6, 7, 1)] == [None, None, None, 3]  # all, then bonus
-    assert ShadowDraft(dict(children), steps=3).follow(6) == 0  # 6 is no root child
-    assert ShadowDraft({}, steps=3).follow(5) == 0  # nothing proposed
+    assert ShadowDraft.of(proposal, steps=3).follow(6) == 0  # 6 is no root child
+    assert ShadowDraft.of(Proposal([], []), steps=3).follow(5) == 0  # nothing proposed
 
 
 def test_the_history_grows_in_place():
@@ -154,14 +158,15 @@ def test_ngram_defaults_apply_when_left_out():
     assert (ngram.min_match, ngram.max_match) == (1, 8)
 
 
-def ngram_engine(page_size=1, topk=1, overlap=False, steps=STEPS, **extra):
-    """NGRAM drafting on the demo target, always speculating, strict leak checks."""
+def ngram_engine(page_size=1, topk=1, overlap=False, steps=STEPS, algorithm="NGRAM", **extra):
+    """Draft-free drafting (NGRAM, or SUFFIX) on the demo target, always speculating,
+    strict leak checks."""
     tokens = steps + 1 if topk == 1 else 2 * steps
     return start_engine(
         DEMO_TARGET,
         kvCache={"pageSize": page_size, "maxTokens": 4096, **extra.pop("kvCache", {})},
         scheduler={"chunkedPrefillSize": 16, "overlap": overlap, **extra.pop("scheduler", {})},
-        draft={"algorithm": "NGRAM"},
+        draft={"algorithm": algorithm},
         speculative={
             "numSteps": steps,
             "topk": topk,
@@ -188,41 +193,52 @@ def reference():
     return prompts, outputs
 
 
+DRAFT_FREE = ["NGRAM", "SUFFIX"]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("topk", [1, 4])
-def test_ngram_greedy_is_lossless(reference, page_size, topk, overlap):
+@pytest.mark.parametrize("algorithm", DRAFT_FREE)
+def test_draft_free_greedy_is_lossless(reference, algorithm, page_size, topk, overlap):
+    """SUFFIX: the batch-1 run's output is in the cache when the concurrent run starts."""
     prompts, expected = reference
-    engine = ngram_engine(page_size, topk, overlap)
+    engine = ngram_engine(page_size, topk, overlap, algorithm=algorithm)
     results = check_exact_run(engine, prompts, expected, MAX_NEW)
     check_token_sources(engine, results, MAX_NEW, overshoot=STEPS)
+    assert metric_value(engine, "specd_spec_draft_info", algorithm=algorithm) == 1
     assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
     assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
 
 
-def test_ngram_under_a_small_pool_retracts_and_stays_exact(reference):
+@pytest.mark.parametrize("algorithm", DRAFT_FREE)
+def test_draft_free_under_a_small_pool_retracts_and_stays_exact(reference, algorithm):
     prompts, expected = reference
-    engine = ngram_engine(4, 4, kvCache={"maxTokens": 160})
+    engine = ngram_engine(4, 4, algorithm=algorithm, kvCache={"maxTokens": 160})
     check_small_pool_run(engine, prompts, expected, MAX_NEW)
 
 
-def test_ngram_with_the_cost_model_stays_exact(reference):
+@pytest.mark.parametrize("algorithm", DRAFT_FREE)
+def test_draft_free_with_the_cost_model_stays_exact(reference, algorithm):
     prompts, expected = reference
-    engine = ngram_engine(16, 2, True, speculative={"policy": {"costModel": {"enabled": True}}})
+    policy = {"policy": {"costModel": {"enabled": True}}}
+    engine = ngram_engine(16, 2, True, algorithm=algorithm, speculative=policy)
     check_exact_run(engine, prompts, expected, MAX_NEW)
 
 
-def test_ngram_sampling_keeps_the_target_distribution(tiny_models):
-    """Temperature 1: generated tokens 2 and 3 follow the target's law with NGRAM
-    drafting (a prompt that repeats itself, so proposals exist and some are accepted)."""
+@pytest.mark.parametrize("algorithm", DRAFT_FREE)
+def test_draft_free_sampling_keeps_the_target_distribution(tiny_models, algorithm):
+    """Temperature 1: generated tokens 2 and 3 follow the target's law with draft-free
+    drafting (a prompt that repeats itself, so proposals exist and some are accepted;
+    SUFFIX also proposes the outputs of the samples before)."""
     target = tiny_models("tied")
     prompt = [5, 17, 42, 9] * 3 + [5, 17]
     plain = start_engine(target, kvCache={"pageSize": 1})
     spec = start_engine(
         target,
         kvCache={"pageSize": 1},
-        draft={"algorithm": "NGRAM"},
+        draft={"algorithm": algorithm},
         speculative={
             "numSteps": 2,
             "topk": 2,

@@ -51,6 +51,11 @@ CONFIGS = {
         "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
         "kvCache": {"pageSize": 16},
     },
+    "suffix-chain-overlap": {
+        "draft": {"algorithm": "SUFFIX"},
+        "speculative": {"numSteps": 3, "topk": 1, "numDraftTokens": 4},
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+    },
     # batches of more than two run plain with the draft deferred; smaller ones catch up
     # and speculate (speculative/deferred_extend.py)
     "chain-deferred-overlap": {

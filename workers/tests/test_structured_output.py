@@ -295,6 +295,11 @@ ENGINES = {
         draft={"algorithm": "NGRAM"},
         speculative={"numSteps": 3, "topk": 4, "numDraftTokens": 8},
     ),
+    "suffix chain": lambda: start_engine(
+        DEMO_TARGET,
+        draft={"algorithm": "SUFFIX"},
+        speculative={"numSteps": 3, "topk": 1, "numDraftTokens": 4},
+    ),
     # four at once run plain, the draft deferred; three catch up and speculate
     "chain deferred": lambda: start_spec_engine(
         DEMO_TARGET, DEMO_EAGLE, steps=3, policy={"maxBatchForSpec": 3}

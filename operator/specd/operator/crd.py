@@ -54,16 +54,24 @@ CEL_RULES: tuple[CelRule, ...] = (
     ),
     CelRule(
         ("draft",),
-        "(has(self.algorithm) && self.algorithm == 'NGRAM') != has(self.path)",
+        "(has(self.algorithm) && self.algorithm in ['NGRAM', 'SUFFIX']) != has(self.path)",
         "spec.draft.path: give the draft model's folder for EAGLE and EAGLE3; leave it "
-        "out for NGRAM, which drafts from the request's own tokens",
+        "out for NGRAM and SUFFIX, which draft from tokens",
     ),
     CelRule(
         (),
         "!has(self.speculative) || !has(self.speculative.ngram)"
-        " || (has(self.draft) && has(self.draft.algorithm) && self.draft.algorithm == 'NGRAM')",
-        "spec.speculative.ngram configures NGRAM drafting only: drop it or set "
-        "spec.draft.algorithm to NGRAM",
+        " || (has(self.draft) && has(self.draft.algorithm)"
+        " && self.draft.algorithm in ['NGRAM', 'SUFFIX'])",
+        "spec.speculative.ngram configures NGRAM or SUFFIX drafting only: drop it or "
+        "change spec.draft.algorithm",
+    ),
+    CelRule(
+        (),
+        "!has(self.speculative) || !has(self.speculative.suffix)"
+        " || (has(self.draft) && has(self.draft.algorithm) && self.draft.algorithm == 'SUFFIX')",
+        "spec.speculative.suffix configures SUFFIX drafting only: drop it or set "
+        "spec.draft.algorithm to SUFFIX",
     ),
     CelRule(
         ("speculative", "ngram"),
@@ -112,6 +120,7 @@ CEL_RULES: tuple[CelRule, ...] = (
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Draft", "type": "string", "jsonPath": ".status.speculation.algorithm"},
     {"name": "Accept-Len", "type": "number", "jsonPath": ".status.speculation.acceptLength"},
     {"name": "KV-Usage", "type": "number", "jsonPath": ".status.kv.usage"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -59,6 +59,9 @@ class Condition(_Status):
 
 
 class SpeculationStatus(_Status):
+    algorithm: str | None = Field(
+        None, description="spec.draft.algorithm: what the acceptance below is of"
+    )
     accept_length: float | None = Field(
         None, description="Mean tokens per verify (accepted drafts + bonus), last window"
     )
@@ -353,7 +356,9 @@ def compute_status(obs: Observation, previous: SddStatus, now: str) -> SddStatus
         ready_c, progressing = _rollout(obs, desired_hash, desired)
     spec_status = None
     if sdd is not None and sdd.spec.speculative is not None:
-        spec_status = speculation_window(actors, previous.speculation)
+        spec_status = speculation_window(actors, previous.speculation).model_copy(
+            update={"algorithm": sdd.spec.draft.algorithm.value}
+        )
     conditions = [ready_c, progressing, _degraded(obs), _speculation_effective(sdd, spec_status)]
     _stamp(conditions, previous.conditions, now, obs.generation)
     live = [a for a in actors if a.state in ("starting", "ready")]

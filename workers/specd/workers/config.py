@@ -33,9 +33,13 @@ from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
     NgramSpec,
     SpeculationPolicySpec,
     SpeculativeSpec,
+    SuffixSpec,
     default_num_draft_tokens,
     speculative_rules,
 )
+
+# drafters with no draft model: they propose from tokens
+DRAFT_FREE = (DraftAlgorithm.NGRAM, DraftAlgorithm.SUFFIX)
 
 API_GROUP = "specd.dev"
 API_VERSION = "v1alpha1"
@@ -428,21 +432,32 @@ class DeploymentSpec(SpecModel):
                 "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
                 "add `speculative: {}` for the defaults"
             )
-        ngram = self.speculative is not None and self.speculative.ngram is not None
-        if ngram and self.draft.algorithm is not DraftAlgorithm.NGRAM:
-            raise SubfieldError(
-                "speculative.ngram",
-                f"set for spec.draft.algorithm {self.draft.algorithm.value}: it configures "
-                f"NGRAM drafting only; drop it or set the algorithm to NGRAM",
-            )
+        for field, algorithms in (("ngram", DRAFT_FREE), ("suffix", (DraftAlgorithm.SUFFIX,))):
+            if self.speculative is None or getattr(self.speculative, field) is None:
+                continue
+            if self.draft.algorithm not in algorithms:
+                names = " or ".join(a.value for a in algorithms)
+                raise SubfieldError(
+                    f"speculative.{field}",
+                    f"set for spec.draft.algorithm {self.draft.algorithm.value}: it "
+                    f"configures {names} drafting only; drop it or change the algorithm",
+                )
         return self
 
     @property
     def ngram(self) -> NgramSpec | None:
-        """NGRAM drafting's settings (the defaults when left out), None for other drafts."""
-        if self.draft is None or self.draft.algorithm is not DraftAlgorithm.NGRAM:
+        """Own-token matching for draft-free drafting (NGRAM, SUFFIX), the defaults when
+        left out; None for a draft model."""
+        if self.draft is None or self.draft.algorithm not in DRAFT_FREE:
             return None
         return self.speculative.ngram or NgramSpec()
+
+    @property
+    def suffix(self) -> SuffixSpec | None:
+        """SUFFIX drafting's cache settings (the defaults when left out), else None."""
+        if self.draft is None or self.draft.algorithm is not DraftAlgorithm.SUFFIX:
+            return None
+        return self.speculative.suffix or SuffixSpec()
 
     @model_validator(mode="after")
     def _gpus_match_tensor(self) -> DeploymentSpec:

@@ -18,18 +18,19 @@ class DraftAlgorithm(str, Enum):
     EAGLE = "EAGLE"
     EAGLE3 = "EAGLE3"
     NGRAM = "NGRAM"  # prompt lookup over the request's own tokens: no draft model
+    SUFFIX = "SUFFIX"  # suffix decoding: the request's tokens and the replica's outputs
 
     @property
     def has_model(self) -> bool:
         """Whether this algorithm drafts with a model loaded from ``spec.draft.path``."""
-        return self is not DraftAlgorithm.NGRAM
+        return self not in (DraftAlgorithm.NGRAM, DraftAlgorithm.SUFFIX)
 
 
 class DraftSpec(SpecModel):
     path: str | None = Field(
         None,
         min_length=1,
-        description="Local folder of the draft head (EAGLE, EAGLE3); NGRAM takes none",
+        description="Local folder of the draft head (EAGLE, EAGLE3); NGRAM and SUFFIX take none",
     )
     algorithm: DraftAlgorithm = DraftAlgorithm.EAGLE
 
@@ -39,9 +40,7 @@ class DraftSpec(SpecModel):
         if self.algorithm.has_model and self.path is None:
             raise SubfieldError("path", f"{name} drafts with a model: give its local folder")
         if not self.algorithm.has_model and self.path is not None:
-            raise SubfieldError(
-                "path", f"{name} drafts from the request's own tokens: leave path out"
-            )
+            raise SubfieldError("path", f"{name} drafts from tokens, not a model: leave path out")
         return self
 
 
@@ -158,6 +157,36 @@ class NgramSpec(SpecModel):
         return self
 
 
+class SuffixSpec(SpecModel):
+    """SUFFIX drafting (suffix decoding): the replica's recent outputs, counted as a
+    suffix tree, propose beside the request's own tokens (``speculative/suffix.py``)."""
+
+    max_depth: int = Field(
+        8, ge=1, le=64, description="Longest context matched in the outputs (tokens)"
+    )
+    max_cached_tokens: int = Field(
+        16384,
+        ge=64,
+        le=4_194_304,
+        description="Output tokens kept per replica, all API keys together; the oldest "
+        "outputs are evicted past it (memory grows with this times maxDepth)",
+    )
+    min_token_prob: float = Field(
+        0.1, gt=0, le=1, description="A draft token's least estimated probability"
+    )
+    max_spec_factor: float = Field(
+        1.0,
+        gt=0,
+        le=16,
+        description="Drafts at most this times the matched context's length deep",
+    )
+    share_across_keys: bool = Field(
+        False,
+        description="Propose one API key's outputs to another's requests (off: each key "
+        "drafts only from its own; without API keys all requests share)",
+    )
+
+
 class SpeculativeSpec(SpecModel):
     num_steps: int = Field(3, ge=1, le=16, description="Draft steps per verify (S)")
     topk: int = Field(1, ge=1, le=16, description="Branching per draft step (k); 1 = chain")
@@ -167,7 +196,12 @@ class SpeculativeSpec(SpecModel):
     adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec)
     policy: SpeculationPolicySpec = Field(default_factory=SpeculationPolicySpec)
     ngram: NgramSpec | None = Field(
-        None, description="NGRAM drafting's match lengths (spec.draft.algorithm NGRAM)"
+        None,
+        description="Match lengths in the request's own tokens (spec.draft.algorithm NGRAM, "
+        "or SUFFIX's own-token part)",
+    )
+    suffix: SuffixSpec | None = Field(
+        None, description="SUFFIX drafting's output cache (spec.draft.algorithm SUFFIX)"
     )
     # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
     # it neither reaches the engine config nor changes the config hash (no needless roll).

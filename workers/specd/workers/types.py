@@ -81,6 +81,7 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     session_id: str | None = None  # a turn of this streaming session (``prompt_ids`` appended)
     priority: int = 0  # lower is served first (``scheduler.policy: priority`` only)
+    owner: str | None = None  # the API key's id (SUFFIX drafts only from its outputs)
 
 
 @dataclass(frozen=True, slots=True)

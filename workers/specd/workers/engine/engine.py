@@ -198,6 +198,7 @@ class Engine:
             params=request.params,
             grammar=grammar,
             priority=request.priority,
+            owner=request.owner,
         )
         stream = RequestStream(asyncio.get_running_loop(), asyncio.Queue(), req, request.session_id)
         self._post(Submit(stream))
@@ -254,8 +255,7 @@ class Engine:
         return self.metrics.exposition()
 
     def prefix_cache_shape(self) -> PrefixCacheShape | None:
-        """The prefix cache's page size and capacity (None when off): what the gateway's
-        cache-aware router needs to mirror it."""
+        """The prefix cache's page size and capacity (None when off), for the router."""
         if self.kv.cache is None:
             return None
         return PrefixCacheShape(

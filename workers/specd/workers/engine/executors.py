@@ -171,6 +171,7 @@ class SpeculativeExecutor(StepExecutor):
         self.graph_rungs = list(graph_rungs)
         self.metrics = metrics
         metrics.spec_adaptive_steps.set(policy.active.steps)
+        metrics.spec_draft_info.labels(metrics.replica, decoder.algorithm).set(1)
         scheduler.on_release = self._forget_draft_state
         self._backlogs: dict[str, int] = {}  # rid -> deferred tokens the draft has not read
 
@@ -330,4 +331,5 @@ class SpeculativeExecutor(StepExecutor):
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
         self._backlogs.pop(req.rid, None)
-        self.compute.submit(self.decoder.drop, [req.rid])
+        finished = req.finished and req.error is None
+        self.compute.submit(self.decoder.drop, [req.rid], finished)

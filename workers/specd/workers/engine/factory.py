@@ -71,6 +71,8 @@ from specd.workers.speculative.decoder import SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
 from specd.workers.speculative.ngram import NgramProposer
 from specd.workers.speculative.ngram_decoder import NgramDecoder
+from specd.workers.speculative.suffix import SuffixCache
+from specd.workers.speculative.suffix_decoder import SuffixDecoder
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -455,22 +457,7 @@ def build_spec_decoder(
     if models.spec_shape is None:
         return None
     if spec.ngram is not None:
-        policy = models.spec_policy  # plain steps measure what its rung would accept
-        plain = policy.cost_model is not None or policy.max_batch_for_spec is not None
-        measured = policy.fixed if plain and policy.fixed.speculates else None
-        return NgramDecoder(
-            models.model,
-            NgramProposer(spec.ngram.min_match, spec.ngram.max_match, device, ops),
-            spec.kv_cache.page_size,
-            memory.req_pool,
-            memory.kv_pool,
-            memory.backend,
-            device,
-            ops=ops,
-            force_accept_len=knobs.force_accept_len,
-            processors=processors,
-            shadow_rung=measured,
-        )
+        return build_draft_free_decoder(spec, models, memory, device, knobs, processors, ops)
     return SpecDecoder(
         models.model,
         models.draft_head,
@@ -484,6 +471,46 @@ def build_spec_decoder(
         force_accept_len=knobs.force_accept_len,
         processors=processors,
         guided_drafts=not knobs.unguided_drafts,
+    )
+
+
+def build_draft_free_decoder(
+    spec: DeploymentSpec,
+    models: Models,
+    memory: KVMemory,
+    device: torch.device,
+    knobs: BenchKnobs,
+    processors: LogitsProcessors,
+    ops: KernelOps,
+) -> NgramDecoder:
+    """NGRAM's decoder, or SUFFIX's (NGRAM's with the replica's output cache)."""
+    policy = models.spec_policy  # plain steps measure what its rung would accept
+    plain = policy.cost_model is not None or policy.max_batch_for_spec is not None
+    args = (
+        models.model,
+        NgramProposer(spec.ngram.min_match, spec.ngram.max_match),
+        spec.kv_cache.page_size,
+        memory.req_pool,
+        memory.kv_pool,
+        memory.backend,
+        device,
+    )
+    common = {
+        "ops": ops,
+        "force_accept_len": knobs.force_accept_len,
+        "processors": processors,
+        "shadow_rung": policy.fixed if plain and policy.fixed.speculates else None,
+    }
+    suffix = spec.suffix
+    if suffix is None:
+        return NgramDecoder(*args, **common)
+    cache = SuffixCache(suffix.max_depth, suffix.max_cached_tokens, suffix.share_across_keys)
+    return SuffixDecoder(
+        *args,
+        cache=cache,
+        min_token_prob=suffix.min_token_prob,
+        max_spec_factor=suffix.max_spec_factor,
+        **common,
     )
 
 
@@ -538,7 +565,8 @@ def graphs_off_reason(
     if not spec.cuda_graph.enabled:
         return "spec.cudaGraph.enabled is false"
     if spec.ngram is not None:
-        return "NGRAM drafting runs its verify eagerly (no graphs captured for it yet)"
+        algorithm = spec.draft.algorithm.value
+        return f"{algorithm} drafting runs its verify eagerly (no graphs captured for it yet)"
     if tensor > 1:  # rank 0 sends each eager call's inputs; a replay has none to send
         return f"spec.parallelism.tensor is {tensor}: graphs run at tensor 1 only"
     if not available_backends()[backend_name].supports_graphs:

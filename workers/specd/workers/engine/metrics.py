@@ -142,6 +142,12 @@ class EngineMetrics:
             registry=r,
             buckets=tuple(range(0, 17)),
         ).labels(replica)
+        self.spec_draft_info = gauge(
+            "specd_spec_draft_info",
+            "1 for the replica's drafting algorithm (EAGLE, EAGLE3, NGRAM, SUFFIX): join "
+            "on replica to read acceptance per algorithm",
+            ["algorithm"],
+        )
         self.spec_adaptive_steps = gauge(
             "specd_spec_adaptive_steps",
             "Draft steps of the active speculation rung (0 = plain decode)",

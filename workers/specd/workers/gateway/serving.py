@@ -238,11 +238,11 @@ class Serving:
         params = body.sampling_params(default_max_tokens, self.sampling_defaults(), tool_parser)
         if grammar_thinking is not None and params.grammar is not None:
             params = replace(params, grammar=replace(params.grammar, thinking=grammar_thinking))
-        req = GenerateRequest(rid, tuple(prompt_ids), params, priority=body.priority)
+        owner = self.owners.of(request.headers)
+        req = GenerateRequest(rid, tuple(prompt_ids), params, priority=body.priority, owner=owner)
         if body.session_id is None:
             choices = [self.deltas(r) for r in choice_requests(req, body.n)]
         else:  # one choice: validated
-            owner = self.owners.of(request.headers)
             route = await self.sessions.session_route(body.session_id, "session_id", owner)
             turn = replace(req, session_id=route.engine_sid)
             choices = [self.sessions.turn_deltas(turn, route, request)]

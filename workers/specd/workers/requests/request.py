@@ -50,6 +50,7 @@ class Req:
     spec_accepted_tokens: int = 0
     session: Any = None  # the streaming session this request is a turn of (sessions.py)
     cached_tokens: int = 0  # prompt tokens whose KV was reused (usage.cached_tokens)
+    owner: str | None = None  # the API key's id it came with (``GenerateRequest.owner``)
 
     @property
     def fill_ids(self) -> list[int]:

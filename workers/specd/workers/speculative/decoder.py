@@ -150,6 +150,7 @@ class SpecDecoder:
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
         self.guided_drafts = guided_drafts  # constrained requests draft what their grammar allows
+        self.algorithm = head.config.algorithm.value if head is not None else "NGRAM"
         if head is not None:  # a draft model (a draft-free subclass drafts otherwise)
             self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
             self._draft_vocab = head.draft_vocab_targets()  # guided drafting's id map
@@ -162,8 +163,8 @@ class SpecDecoder:
             self._layouts[rung] = TreeLayout(self.page_size, rung.topk, rung.steps)
         return self._layouts[rung]
 
-    def drop(self, rids: list[str]) -> None:
-        """Forget requests that were finished or retracted."""
+    def drop(self, rids: list[str], finished: bool = False) -> None:
+        """Forget requests that were retracted, or ``finished`` (their output is final)."""
         for rid in rids:
             self.states.pop(rid, None)
 

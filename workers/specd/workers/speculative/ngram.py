@@ -92,12 +92,21 @@ class _Node:
     children: int = 0
 
 
-def continuation_tree(
-    continuations: list[np.ndarray], topk: int, num_nodes: int
-) -> tuple[list[int], list[int]]:
-    """A trie of ``continuations`` (at most ``topk`` children per node) -> the draft
-    nodes' (tokens, parents) of the best ``num_nodes`` of it, node 0 being the root's
-    first child: parents index the kept list, -1 for the root; parents come first."""
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """One request's draft nodes, parents first (``parents`` index ``tokens``, -1 for
+    the root), and ``score``: the drafts a verify is expected to accept (the sum of the
+    nodes' estimated probabilities)."""
+
+    tokens: list[int]
+    parents: list[int]
+    score: float = 0.0
+
+
+def continuation_tree(continuations: list[np.ndarray], topk: int, num_nodes: int) -> Proposal:
+    """A trie of ``continuations`` (at most ``topk`` children per node) -> its best
+    ``num_nodes`` nodes; a node's probability is the share of the continuations through
+    it."""
     trie: list[_Node] = []
     child_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     root_children = 0
@@ -126,7 +135,29 @@ def continuation_tree(
     slot = {node: i for i, node in enumerate(kept)}
     tokens = [trie[i].token for i in kept]
     parents = [-1 if trie[i].parent < 0 else slot[trie[i].parent] for i in kept]
-    return tokens, parents
+    score = sum(trie[i].count for i in kept) / max(len(continuations), 1)
+    return Proposal(tokens, parents, score)
+
+
+def padded_tree(
+    proposals: list[Proposal],
+    roots: list[int],
+    steps: int,
+    num_tokens: int,
+    device: torch.device,
+    ops: KernelOps = TORCH_OPS,
+) -> DraftTree:
+    """The ``num_tokens``-node verify trees of ``proposals`` (root = each request's last
+    token): node i + 1 is proposal node i; the rest are copies of the root token under
+    the root."""
+    all_tokens, all_parents = [], []
+    for proposal, root in zip(proposals, roots, strict=True):
+        pad = num_tokens - 1 - len(proposal.tokens)
+        all_tokens.append([root, *proposal.tokens] + [root] * pad)
+        all_parents.append([-1] + [p + 1 for p in proposal.parents] + [0] * pad)
+    return DraftTree.from_parents(
+        host_tensor(all_tokens, device), host_tensor(all_parents, device), steps, ops
+    )
 
 
 @dataclass(slots=True)
@@ -141,6 +172,11 @@ class ShadowDraft:
     node: int = -1
     accepted: int = 0
 
+    @classmethod
+    def of(cls, proposal: Proposal, steps: int) -> ShadowDraft:
+        nodes = enumerate(zip(proposal.tokens, proposal.parents, strict=True))
+        return cls({(parent, token): i for i, (token, parent) in nodes}, steps)
+
     def follow(self, token: int) -> int | None:
         """The next plain token -> the drafts accepted once the walk ends (this token
         was the verify's bonus), else None."""
@@ -153,59 +189,15 @@ class ShadowDraft:
 
 
 class NgramProposer:
-    """Draft trees for a batch from each request's own tokens (``TokenHistory``)."""
+    """Proposals from a request's own tokens (``TokenHistory``)."""
 
-    def __init__(
-        self,
-        min_match: int,
-        max_match: int,
-        device: torch.device,
-        ops: KernelOps = TORCH_OPS,
-    ):
+    def __init__(self, min_match: int, max_match: int):
         self.min_match = min_match
         self.max_match = max_match
-        self.device = device
-        self.ops = ops
 
-    def first_tokens(self, histories: list[TokenHistory]) -> list[int]:
-        """Per request, the one token a chain would propose next, or -1 (no match)."""
-        out = []
-        for history in histories:
-            found = match_continuations(history.tokens, self.min_match, self.max_match, 1, 1)
-            out.append(int(found[0][0]) if found and len(found[0]) else -1)
-        return out
-
-    def tree(
-        self, histories: list[TokenHistory], steps: int, topk: int, num_tokens: int
-    ) -> DraftTree:
-        """A ``num_tokens``-node tree per request (root = its last token), at most
-        ``steps`` deep and ``topk`` wide, built from its earlier matches."""
-        all_tokens, all_parents = [], []
-        for history in histories:
-            tokens, parents = self._nodes(history, steps, topk, num_tokens)
-            root = int(history.tokens[-1])
-            pad = num_tokens - 1 - len(tokens)
-            # node i of the kept list is tree node i + 1; padding hangs under the root
-            all_tokens.append([root] + tokens + [root] * pad)
-            all_parents.append([-1] + [p + 1 for p in parents] + [0] * pad)
-        return DraftTree.from_parents(
-            host_tensor(all_tokens, self.device),
-            host_tensor(all_parents, self.device),
-            num_steps=steps,
-            ops=self.ops,
-        )
-
-    def shadow(self, history: TokenHistory, steps: int, topk: int, num_tokens: int) -> ShadowDraft:
-        """What ``tree`` would propose for this request now, as a ``ShadowDraft``."""
-        tokens, parents = self._nodes(history, steps, topk, num_tokens)
-        nodes = enumerate(zip(tokens, parents, strict=True))
-        children = {(parent, token): i for i, (token, parent) in nodes}
-        return ShadowDraft(children, steps)
-
-    def _nodes(
-        self, history: TokenHistory, steps: int, topk: int, num_tokens: int
-    ) -> tuple[list[int], list[int]]:
-        """One request's proposed nodes (``continuation_tree``), padding not included."""
+    def propose(self, history: TokenHistory, steps: int, topk: int, num_nodes: int) -> Proposal:
+        """At most ``num_nodes`` drafts, ``steps`` deep and ``topk`` wide, from the
+        request's earlier matches of its suffix."""
         found = match_continuations(
             history.tokens,
             self.min_match,
@@ -213,4 +205,4 @@ class NgramProposer:
             steps,
             topk * CONTINUATIONS_PER_BRANCH,
         )
-        return continuation_tree(found, topk, num_tokens - 1)
+        return continuation_tree(found, topk, num_nodes)

@@ -16,6 +16,7 @@ plain decode produces; each finished walk is a sample (``shadow_samples``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,13 @@ from specd.workers.runner.logits_processors import LogitsProcessors
 from specd.workers.speculative.decoder import AcceptedPaths, SpecDecoder
 from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
-from specd.workers.speculative.ngram import NgramProposer, ShadowDraft, TokenHistory
+from specd.workers.speculative.ngram import (
+    NgramProposer,
+    Proposal,
+    ShadowDraft,
+    TokenHistory,
+    padded_tree,
+)
 from specd.workers.speculative.tree import DraftTree
 
 SHADOWS_AT_ONCE = 8  # requests whose plain tokens measure acceptance at a time
@@ -39,11 +46,13 @@ SHADOWS_AT_ONCE = 8  # requests whose plain tokens measure acceptance at a time
 
 @dataclass(frozen=True, slots=True)
 class NgramState:
-    """A request's NGRAM drafting state: the root and every token up to it."""
+    """A request's draft-free drafting state: the root and every token up to it."""
 
     root_position: int
     root_token: int
     history: TokenHistory  # tokens at positions 0..root_position (the root last)
+    owner: str | None = None  # the API key's id the request came with (SUFFIX)
+    output_start: int = 0  # where its output begins in ``history`` (SUFFIX)
 
 
 class NgramDecoder(SpecDecoder):
@@ -104,7 +113,8 @@ class NgramDecoder(SpecDecoder):
             if done:
                 root = start + len(ids)
                 history = TokenHistory([*req.fill_ids[:root], ids[-1]])
-                self.states[req.rid] = NgramState(root, ids[-1], history)
+                prompt = len(req.prompt_ids)
+                self.states[req.rid] = NgramState(root, ids[-1], history, req.owner, prompt)
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
@@ -112,16 +122,18 @@ class NgramDecoder(SpecDecoder):
         """A plainly decoded token joins its request's tokens at once -> (0.0, 0)."""
         for req, root, token in zip(reqs, roots, tokens, strict=True):
             state = self.state_at(req, root)
-            shadow = self._shadow(req.rid, state.history)
+            shadow = self._shadow(req.rid, state)
             state.history.extend((token,))
-            self.states[req.rid] = NgramState(root + 1, token, state.history)
+            self.states[req.rid] = dataclasses.replace(
+                state, root_position=root + 1, root_token=token
+            )
             accepted = None if shadow is None else shadow.follow(token)
             if accepted is not None:  # the walk ended: the next root drafts anew
                 self._shadow_samples.append(accepted)
                 del self._shadows[req.rid]
         return 0.0, 0
 
-    def _shadow(self, rid: str, history: TokenHistory) -> ShadowDraft | None:
+    def _shadow(self, rid: str, state: NgramState) -> ShadowDraft | None:
         """The request's draft in the shadow, proposed now (at its root) if it has none
         and fewer than ``SHADOWS_AT_ONCE`` requests have one (a bound on the cost)."""
         shadow = self._shadows.get(rid)
@@ -131,16 +143,21 @@ class NgramDecoder(SpecDecoder):
             and (len(self._shadows) < SHADOWS_AT_ONCE)
         ):
             rung = self.shadow_rung
-            shadow = self.proposer.shadow(history, rung.steps, rung.topk, rung.draft_tokens)
-            self._shadows[rid] = shadow
+            proposal = self.propose(state, rung.steps, rung.topk, rung.draft_tokens - 1)
+            shadow = self._shadows[rid] = ShadowDraft.of(proposal, rung.steps)
         return shadow
 
     def shadow_samples(self) -> tuple[int, ...]:
         samples, self._shadow_samples = tuple(self._shadow_samples), []
         return samples
 
-    def drop(self, rids: list[str]) -> None:
-        super().drop(rids)
+    def propose(self, state: NgramState, steps: int, topk: int, num_nodes: int) -> Proposal:
+        """The drafts for ``state``'s request: at most ``num_nodes``, ``steps`` deep and
+        ``topk`` wide."""
+        return self.proposer.propose(state.history, steps, topk, num_nodes)
+
+    def drop(self, rids: list[str], finished: bool = False) -> None:
+        super().drop(rids, finished)
         for rid in rids:
             self._shadows.pop(rid, None)
 
@@ -156,7 +173,9 @@ class NgramDecoder(SpecDecoder):
             state = self.state_at(req, old)
             self._shadows.pop(req.rid, None)  # a real verify ran: its walk is moot
             state.history.extend(toks)
-            self.states[req.rid] = NgramState(new, toks[-1], state.history)
+            self.states[req.rid] = dataclasses.replace(
+                state, root_position=new, root_token=toks[-1]
+            )
 
     def _duplicate_prefix_tails(
         self, rows: list[int], roots: list[int], layout: TreeLayout
@@ -171,10 +190,12 @@ class NgramDecoder(SpecDecoder):
         rung: Rung,
         guide: DraftGuide | None,
     ) -> DraftTree:
-        histories = [s.history for s in states]
-        return self.proposer.tree(histories, rung.steps, rung.topk, rung.draft_tokens)
+        nodes = rung.draft_tokens - 1
+        proposals = [self.propose(s, rung.steps, rung.topk, nodes) for s in states]
+        roots = [s.root_token for s in states]
+        return padded_tree(proposals, roots, rung.steps, rung.draft_tokens, self.device, self.ops)
 
     def _draft_guesses(self, states: list[NgramState]) -> torch.Tensor:
         """The plain rung's probe: the token a chain would propose after each root."""
-        guesses = self.proposer.first_tokens([s.history for s in states])
-        return host_tensor(guesses, self.device)
+        firsts = [self.propose(s, 1, 1, 1).tokens for s in states]
+        return host_tensor([f[0] if f else -1 for f in firsts], self.device)
