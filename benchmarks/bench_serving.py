@@ -240,7 +240,8 @@ def served_spec_copy(
     spec = doc["spec"]
     spec["model"]["path"] = str((spec_file.parent / spec["model"]["path"]).resolve())
     if spec_on and "draft" in spec:
-        spec["draft"]["path"] = str((spec_file.parent / spec["draft"]["path"]).resolve())
+        if "path" in spec["draft"]:  # NGRAM and SUFFIX draft without a model
+            spec["draft"]["path"] = str((spec_file.parent / spec["draft"]["path"]).resolve())
     else:
         spec.pop("draft", None)
         spec.pop("speculative", None)

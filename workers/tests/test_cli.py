@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specd.devtools.testing import DEMO_MODELS
 from specd.workers.cli import EXIT_FAILED, EXIT_INVALID, admin_token_note, main
 from specd.workers.config import ConfigError
 from specd.workers.gateway.admin_auth import load_admin_token
@@ -52,6 +53,13 @@ def test_validate_accepts_a_good_file_and_names_the_bad_field(tmp_path, capsys):
     bad.write_text(good.read_text().replace("replicas: 2", "replicas: 2, maxRunningRequest: 3"))
     assert main(["validate", str(bad)]) == EXIT_INVALID
     assert "spec.maxRunningRequest: unknown field" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", ["demo", "ngram", "suffix", "hybrid"])
+def test_the_demo_examples_pass_validation_with_every_drafter(example, capsys):
+    """The preflight loads what each would serve: NGRAM and SUFFIX have no draft folder."""
+    assert main(["validate", str(DEMO_MODELS.parent / f"{example}.yaml")]) == 0
+    assert "demo" in capsys.readouterr().out
 
 
 def test_draft_without_speculative_is_refused(tmp_path, capsys):

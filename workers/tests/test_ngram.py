@@ -13,8 +13,7 @@ from specd.devtools.testing import (
     check_same_marginals,
     check_small_pool_run,
     check_token_sources,
-    demo_prompts,
-    hf_greedy,
+    demo_reference,
     metric_value,
     run_all,
     start_engine,
@@ -182,15 +181,8 @@ def ngram_engine(page_size=1, topk=1, overlap=False, steps=STEPS, algorithm="NGR
 @pytest.fixture(scope="module")
 def reference():
     """Python-source prompts (which repeat themselves: prompt lookup finds matches) and
-    their plain-decode greedy outputs, checked against transformers."""
-    prompts = demo_prompts(6, 48)
-    engine = start_engine(DEMO_TARGET, kvCache={"pageSize": 1})
-    try:
-        outputs = [r[0] for r in run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)]
-    finally:
-        engine.shutdown()
-    assert outputs == hf_greedy(DEMO_TARGET, prompts, MAX_NEW)
-    return prompts, outputs
+    their plain greedy outputs, checked against transformers."""
+    return demo_reference(6, 48, MAX_NEW)
 
 
 DRAFT_FREE = ["NGRAM", "SUFFIX"]

@@ -56,6 +56,15 @@ CONFIGS = {
         "speculative": {"numSteps": 3, "topk": 1, "numDraftTokens": 4},
         "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
     },
+    "hybrid-tree-overlap": {  # the EAGLE draft, or SUFFIX's tree wherever it proposes
+        "speculative": {
+            "numSteps": 3,
+            "topk": 4,
+            "numDraftTokens": 8,
+            "suffix": {"hybridThreshold": 0},
+        },
+        "scheduler": {"overlap": True, "chunkedPrefillSize": 16},
+    },
     # batches of more than two run plain with the draft deferred; smaller ones catch up
     # and speculate (speculative/deferred_extend.py)
     "chain-deferred-overlap": {

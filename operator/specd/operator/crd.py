@@ -69,9 +69,9 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         (),
         "!has(self.speculative) || !has(self.speculative.suffix)"
-        " || (has(self.draft) && has(self.draft.algorithm) && self.draft.algorithm == 'SUFFIX')",
-        "spec.speculative.suffix configures SUFFIX drafting only: drop it or set "
-        "spec.draft.algorithm to SUFFIX",
+        " || (has(self.draft) && (!has(self.draft.algorithm) || self.draft.algorithm != 'NGRAM'))",
+        "spec.speculative.suffix configures SUFFIX drafting, or hybrid drafting with EAGLE "
+        "or EAGLE3: drop it or change spec.draft.algorithm",
     ),
     CelRule(
         ("speculative", "ngram"),

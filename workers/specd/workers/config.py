@@ -432,7 +432,8 @@ class DeploymentSpec(SpecModel):
                 "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
                 "add `speculative: {}` for the defaults"
             )
-        for field, algorithms in (("ngram", DRAFT_FREE), ("suffix", (DraftAlgorithm.SUFFIX,))):
+        suffixed = (DraftAlgorithm.SUFFIX, DraftAlgorithm.EAGLE, DraftAlgorithm.EAGLE3)
+        for field, algorithms in (("ngram", DRAFT_FREE), ("suffix", suffixed)):
             if self.speculative is None or getattr(self.speculative, field) is None:
                 continue
             if self.draft.algorithm not in algorithms:
@@ -454,9 +455,10 @@ class DeploymentSpec(SpecModel):
 
     @property
     def suffix(self) -> SuffixSpec | None:
-        """SUFFIX drafting's cache settings (the defaults when left out), else None."""
+        """SUFFIX drafting's cache settings (the defaults when left out), those of a
+        hybrid draft model, else None."""
         if self.draft is None or self.draft.algorithm is not DraftAlgorithm.SUFFIX:
-            return None
+            return self.speculative.suffix if self.draft is not None else None
         return self.speculative.suffix or SuffixSpec()
 
     @model_validator(mode="after")

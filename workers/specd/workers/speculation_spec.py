@@ -185,6 +185,14 @@ class SuffixSpec(SpecModel):
         description="Propose one API key's outputs to another's requests (off: each key "
         "drafts only from its own; without API keys all requests share)",
     )
+    hybrid_threshold: float = Field(
+        2.0,
+        ge=0,
+        le=256,
+        description="With an EAGLE or EAGLE3 draft (hybrid): a request verifies the "
+        "SUFFIX tree instead of the draft model's when it expects at least this many "
+        "accepted drafts",
+    )
 
 
 class SpeculativeSpec(SpecModel):
@@ -201,7 +209,9 @@ class SpeculativeSpec(SpecModel):
         "or SUFFIX's own-token part)",
     )
     suffix: SuffixSpec | None = Field(
-        None, description="SUFFIX drafting's output cache (spec.draft.algorithm SUFFIX)"
+        None,
+        description="SUFFIX drafting's output cache (spec.draft.algorithm SUFFIX); with "
+        "an EAGLE or EAGLE3 draft, hybrid drafting",
     )
     # Operator-only (the SpeculationEffective condition): excluded from dumps, so changing
     # it neither reaches the engine config nor changes the config hash (no needless roll).

@@ -293,6 +293,8 @@ class SpeculativeExecutor(StepExecutor):
         self.policy.observe(
             rung, batch.plain_reason, accepted, self._step_seconds(batch, out), len(batch.reqs)
         )
+        if out.suffix_trees:
+            self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
         if out.shadow_accepted:
             self.policy.observe_shadow(self.decoder.shadow_rung, out.shadow_accepted)
             self.metrics.observe_shadow(out.shadow_accepted)

@@ -24,6 +24,7 @@ from specd.kernels.ops_choice import ops_for_backend
 from specd.workers.bench_knobs import BenchKnobs
 from specd.workers.config import ConfigError, DeploymentSpec
 from specd.workers.engine.compute import Compute
+from specd.workers.engine.decoders import build_spec_decoder
 from specd.workers.engine.executors import (
     PlainExecutor,
     SpeculativeExecutor,
@@ -31,6 +32,7 @@ from specd.workers.engine.executors import (
     spec_graph_rungs,
 )
 from specd.workers.engine.metrics import EngineMetrics
+from specd.workers.engine.parts import KVMemory, Models
 from specd.workers.engine.rank_group import (
     MirroredModel,
     MirroredOps,
@@ -69,10 +71,6 @@ from specd.workers.scheduler.session_store import SessionStore
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
-from specd.workers.speculative.ngram import NgramProposer
-from specd.workers.speculative.ngram_decoder import NgramDecoder
-from specd.workers.speculative.suffix import SuffixCache
-from specd.workers.speculative.suffix_decoder import SuffixDecoder
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -96,40 +94,6 @@ def pick_device(spec: DeploymentSpec) -> str:
 def sampling_defaults(spec: DeploymentSpec, config: ModelConfig) -> dict:
     """What requests that leave sampling fields out get (``SamplingDefaultsSpec``)."""
     return spec.sampling_defaults.resolve(config.generation_sampling)
-
-
-@dataclass(frozen=True, slots=True)
-class Models:
-    """The loaded weights and what they fix: context length, eos ids, the draft."""
-
-    tokenizer: Any
-    model: torch.nn.Module
-    config: ModelConfig
-    context_length: int
-    eos_token_ids: frozenset[int]
-    sampling_defaults: dict  # for requests that leave sampling fields out
-    spec_shape: SpecShape | None  # the widest speculative layout; None for plain decode
-    spec_policy: SpecPolicy | None
-    draft_head: DraftHead | None
-
-
-@dataclass(frozen=True, slots=True)
-class KVMemory:
-    """One replica's KV memory: request rows, pages, the K/V pools on the same slots."""
-
-    req_pool: ReqToTokenPool
-    allocator: PagedTokenAllocator
-    kv: KVManager  # rows, pages, committed/allocated lengths and the prefix cache
-    kv_pool: KVPool  # the target's K/V
-    draft_pool: KVPool | None  # the draft's K/V (speculative engines)
-    evicted_blocks: EvictedBlocks  # for the gateway's cache-aware routing
-    backend_name: str
-    backend: AttentionBackend
-
-    @property
-    def pools(self) -> list[KVPool]:
-        """Every K/V pool: the target's, then the draft's (a session moves them all)."""
-        return [self.kv_pool] + ([self.draft_pool] if self.draft_pool is not None else [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,77 +405,6 @@ def choose_backend(
     check_backend_supports_layout(backend_name, shape, page)
     backend = get_backend(backend_name, device.type, dtype)
     return backend_name, backend, ops_for_backend(backend_name)
-
-
-def build_spec_decoder(
-    spec: DeploymentSpec,
-    models: Models,
-    memory: KVMemory,
-    device: torch.device,
-    knobs: BenchKnobs,
-    processors: LogitsProcessors,
-    ops: KernelOps,
-) -> SpecDecoder | None:
-    """The speculative decoder over the target and the draft model, or NGRAM drafting's
-    (None for plain decode)."""
-    if models.spec_shape is None:
-        return None
-    if spec.ngram is not None:
-        return build_draft_free_decoder(spec, models, memory, device, knobs, processors, ops)
-    return SpecDecoder(
-        models.model,
-        models.draft_head,
-        spec.kv_cache.page_size,
-        memory.req_pool,
-        memory.kv_pool,
-        memory.draft_pool,
-        memory.backend,
-        device,
-        ops=ops,
-        force_accept_len=knobs.force_accept_len,
-        processors=processors,
-        guided_drafts=not knobs.unguided_drafts,
-    )
-
-
-def build_draft_free_decoder(
-    spec: DeploymentSpec,
-    models: Models,
-    memory: KVMemory,
-    device: torch.device,
-    knobs: BenchKnobs,
-    processors: LogitsProcessors,
-    ops: KernelOps,
-) -> NgramDecoder:
-    """NGRAM's decoder, or SUFFIX's (NGRAM's with the replica's output cache)."""
-    policy = models.spec_policy  # plain steps measure what its rung would accept
-    plain = policy.cost_model is not None or policy.max_batch_for_spec is not None
-    args = (
-        models.model,
-        NgramProposer(spec.ngram.min_match, spec.ngram.max_match),
-        spec.kv_cache.page_size,
-        memory.req_pool,
-        memory.kv_pool,
-        memory.backend,
-        device,
-    )
-    common = {
-        "ops": ops,
-        "force_accept_len": knobs.force_accept_len,
-        "processors": processors,
-        "shadow_rung": policy.fixed if plain and policy.fixed.speculates else None,
-    }
-    suffix = spec.suffix
-    if suffix is None:
-        return NgramDecoder(*args, **common)
-    cache = SuffixCache(suffix.max_depth, suffix.max_cached_tokens, suffix.share_across_keys)
-    return SuffixDecoder(
-        *args,
-        cache=cache,
-        min_token_prob=suffix.min_token_prob,
-        max_spec_factor=suffix.max_spec_factor,
-        **common,
-    )
 
 
 def build_scheduler(

@@ -177,6 +177,11 @@ class EngineMetrics:
             "Drafts the shadow walks accepted (their mean is the acceptance plain steps "
             "measure for the cost model)",
         )
+        self.spec_hybrid_suffix_trees = counter(
+            "specd_spec_hybrid_suffix_trees",
+            "Hybrid drafting: requests that verified SUFFIX's tree instead of the draft "
+            "model's (its score cleared speculative.suffix.hybridThreshold)",
+        )
         self.spec_cost_seconds = gauge(
             "specd_spec_cost_seconds_per_request",
             "The cost model's EMA of a verify step's compute seconds per request, by batch "

@@ -7,8 +7,9 @@ Plain Python, no torch.  The engine feeds it the compute seconds of every verify
   ``COST_WINDOW`` step times per request (``StepCost``): a median, since one step that
   met a page fault or a GC pause must not decide for long;
 * per speculating rung, an EMA of the accepted drafts per request, bonus excluded
-  (acceptance does not depend on the batch size), weighted by requests: ``emaAlpha``
-  per ``ACCEPTANCE_BATCH`` requests' samples; a draft-free drafter also
+  (acceptance does not depend on the batch size), moved by ``emaAlpha`` per verify batch
+  of ``ACCEPTANCE_BATCH`` requests or more and by less for smaller ones; it starts as
+  the plain mean of its first samples; a draft-free drafter also
   measures it on plain steps (``observe_accepted``), so a rung that lost on acceptance
   wins back as soon as its drafts would be accepted again;
 * an EMA of the seconds per token the draft took to catch up on deferred plain steps
@@ -50,26 +51,29 @@ FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
 MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
 COST_WINDOW = 3  # the newest step times whose median is the cost
 SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun is cheap
-# the acceptance EMA moves by emaAlpha per this many requests' samples: a batch of one
-# (a ragged end, a lone looping request) must not weigh as much as a full batch
+# a verify batch of this many requests or more moves the acceptance EMA by emaAlpha, a
+# smaller one by its share of that: a batch of one (a ragged end, a lone looping
+# request) must not weigh as much as a full batch
 ACCEPTANCE_BATCH = 8
 MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
 
 
 @dataclass(slots=True)
 class Ema:
-    """An exponential moving average; the first sample seeds it."""
+    """An exponential moving average that starts as the plain mean: each sample moves
+    it by ``alpha`` (compounded by its ``weight``) or by its share of all the weight so
+    far, whichever is more, so the first samples are not outweighed by the seed."""
 
     alpha: float
     value: float | None = None
+    weight: float = 0.0  # of the samples so far
 
     def add(self, sample: float, weight: float = 1.0) -> None:
-        """Move toward ``sample`` by ``alpha``, compounded ``weight`` times (a mean of
-        ``weight`` samples moves it as they would one by one, nearly)."""
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value += (1.0 - (1.0 - self.alpha) ** weight) * (sample - self.value)
+        """Move toward ``sample`` (a mean of ``weight`` samples moves it as they would
+        one by one, nearly)."""
+        self.weight += weight
+        step = max(1.0 - (1.0 - self.alpha) ** weight, weight / self.weight)
+        self.value = sample if self.value is None else self.value + step * (sample - self.value)
 
 
 @dataclass(slots=True)
@@ -199,7 +203,7 @@ class CostModel:
         of its draft measured on plain steps (``ngram_decoder.py``)."""
         if rung.speculates and accepted:
             ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
-            ema.add(sum(accepted) / len(accepted), len(accepted) / ACCEPTANCE_BATCH)
+            ema.add(sum(accepted) / len(accepted), min(len(accepted) / ACCEPTANCE_BATCH, 1.0))
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """The draft read ``tokens`` deferred tokens in ``seconds``."""

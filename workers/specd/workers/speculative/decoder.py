@@ -114,6 +114,7 @@ class SpecStepOut:
     catch_up_tokens: int = 0  # the deferred tokens it read
     # drafts a speculating step would have accepted, measured on plain tokens (NGRAM)
     shadow_accepted: tuple[int, ...] = ()
+    suffix_trees: int = 0  # requests that verified SUFFIX's tree instead (hybrid)
 
 
 class SpecDecoder:
@@ -232,7 +233,7 @@ class SpecDecoder:
         if rung.speculates:
             self._duplicate_prefix_tails(rows, roots, layout)
             guide = DraftGuide.for_batch(reqs, self._draft_vocab) if self.guided_drafts else None
-            tree = self._draft_tree(rows, states, layout, rung, guide)
+            tree = self._draft_tree(reqs, rows, states, layout, rung, guide)
         else:
             guesses = None if defer else self._draft_guesses(states)
             tree = build_tree(self._root_tokens(states), [], 1, self.ops)
@@ -269,12 +270,17 @@ class SpecDecoder:
             catch_up_seconds=caught_up[0],
             catch_up_tokens=caught_up[1],
             shadow_accepted=self.shadow_samples(),
+            suffix_trees=self.suffix_trees_taken(),
         )
 
     def shadow_samples(self) -> tuple[int, ...]:
         """Acceptance measured on plain steps since the last call (a draft model's
         would need its forward: none)."""
         return ()
+
+    def suffix_trees_taken(self) -> int:
+        """Requests that verified a SUFFIX tree since the last call (hybrid only)."""
+        return 0
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
@@ -398,14 +404,15 @@ class SpecDecoder:
 
     def _draft_tree(
         self,
+        reqs: list[Req],
         rows: list[int],
         states: list[DraftState],
         layout: TreeLayout,
         rung: Rung,
         guide: DraftGuide | None,
     ) -> DraftTree:
-        """The draft loop (``draft_loop.py``) for these requests: a graph replay when one
-        fits the batch and none is guided by a grammar, else eagerly."""
+        """The draft loop (``draft_loop.py``) for ``reqs``: a graph replay when one fits
+        the batch and none is guided by a grammar, else eagerly."""
         roots = [s.root_position for s in states]
         root_tokens = [s.root_token for s in states]
         root_feats = torch.stack([s.features for s in states])  # [bs, H]

@@ -184,6 +184,7 @@ class NgramDecoder(SpecDecoder):
 
     def _draft_tree(
         self,
+        reqs: list[Req],
         rows: list[int],
         states: list[NgramState],
         layout: TreeLayout,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 
-from specd.workers.speculative.ngram import Proposal
+from specd.workers.speculative.ngram import NgramProposer, Proposal, TokenHistory
 
 SHARED = ""  # the owner of every request when outputs are shared
 
@@ -173,3 +173,41 @@ class SuffixCache:
             self.tokens -= self._indexes[oldest].evict_oldest()
             if not self._indexes[oldest].tokens:
                 del self._indexes[oldest]
+
+
+class SuffixDrafting:
+    """SUFFIX's proposal for a request: its own tokens' (``NgramProposer``) or its
+    owner's cached outputs', whichever expects more accepted drafts; and the cache's
+    updates from finished requests."""
+
+    def __init__(
+        self,
+        own: NgramProposer,
+        cache: SuffixCache,
+        min_token_prob: float,
+        max_spec_factor: float,
+    ):
+        self.own = own
+        self.cache = cache
+        self.min_token_prob = min_token_prob
+        self.max_spec_factor = max_spec_factor
+
+    def propose(
+        self, history: TokenHistory, owner: str | None, steps: int, topk: int, num_nodes: int
+    ) -> Proposal:
+        own = self.own.propose(history, steps, topk, num_nodes)
+        index = self.cache.index_of(owner)
+        if index is None:
+            return own
+        tail = tuple(history.tokens[-index.max_depth :].tolist())
+        cached = index.propose(
+            tail, steps, topk, num_nodes, self.min_token_prob, self.max_spec_factor
+        )
+        return cached if cached.score > own.score else own
+
+    def record(self, history: TokenHistory, owner: str | None, output_start: int) -> None:
+        """A finished request's output (``history`` from ``output_start``) joins the
+        cache, after the tokens before it."""
+        tokens = history.tokens
+        lead = tokens[max(0, output_start - self.cache.max_depth) : output_start]
+        self.cache.insert(owner, tuple(tokens[output_start:].tolist()), tuple(lead.tolist()))
