@@ -91,7 +91,18 @@ def session_engine(models, config, **extra):
     )
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+# the same session paths as the NGRAM and EAGLE configs: CI's slow pass runs them
+SLOW_CONFIGS = {"suffix-chain-overlap", "hybrid-tree-overlap"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CONFIGS else name
+        for name in CONFIGS
+    ],
+    ids=list(CONFIGS),
+)
 def engine(request, models):
     engine = session_engine(models, CONFIGS[request.param])
     yield engine
