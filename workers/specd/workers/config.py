@@ -25,6 +25,7 @@ from pydantic import (
 
 from specd.workers.spec_model import ConfigError, SpecModel, SubfieldError  # noqa: F401
 from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
+    DRAFT_FREE,
     AdaptiveSpec,
     CandidateRung,
     CostModelSpec,
@@ -34,12 +35,10 @@ from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
     SpeculationPolicySpec,
     SpeculativeSpec,
     SuffixSpec,
+    check_drafter_settings,
     default_num_draft_tokens,
     speculative_rules,
 )
-
-# drafters with no draft model: they propose from tokens
-DRAFT_FREE = (DraftAlgorithm.NGRAM, DraftAlgorithm.SUFFIX)
 
 API_GROUP = "specd.dev"
 API_VERSION = "v1alpha1"
@@ -432,17 +431,8 @@ class DeploymentSpec(SpecModel):
                 "spec.draft needs spec.speculative (numSteps, topk, numDraftTokens); "
                 "add `speculative: {}` for the defaults"
             )
-        suffixed = (DraftAlgorithm.SUFFIX, DraftAlgorithm.EAGLE, DraftAlgorithm.EAGLE3)
-        for field, algorithms in (("ngram", DRAFT_FREE), ("suffix", suffixed)):
-            if self.speculative is None or getattr(self.speculative, field) is None:
-                continue
-            if self.draft.algorithm not in algorithms:
-                names = " or ".join(a.value for a in algorithms)
-                raise SubfieldError(
-                    f"speculative.{field}",
-                    f"set for spec.draft.algorithm {self.draft.algorithm.value}: it "
-                    f"configures {names} drafting only; drop it or change the algorithm",
-                )
+        if self.speculative is not None:
+            check_drafter_settings(self.draft, self.speculative)
         return self
 
     @property
@@ -457,9 +447,16 @@ class DeploymentSpec(SpecModel):
     def suffix(self) -> SuffixSpec | None:
         """SUFFIX drafting's cache settings (the defaults when left out), those of a
         hybrid draft model, else None."""
-        if self.draft is None or self.draft.algorithm is not DraftAlgorithm.SUFFIX:
-            return self.speculative.suffix if self.draft is not None else None
-        return self.speculative.suffix or SuffixSpec()
+        if self.draft is None:
+            return None
+        if self.draft.algorithm is DraftAlgorithm.SUFFIX:
+            return self.speculative.suffix or SuffixSpec()
+        return self.speculative.suffix
+
+    @property
+    def has_draft_model(self) -> bool:
+        """A draft model to load from ``draft.path`` (EAGLE, EAGLE3; not NGRAM, SUFFIX)."""
+        return self.draft is not None and self.draft.algorithm.has_model
 
     @model_validator(mode="after")
     def _gpus_match_tensor(self) -> DeploymentSpec:

@@ -26,6 +26,12 @@ class DraftAlgorithm(str, Enum):
         return self not in (DraftAlgorithm.NGRAM, DraftAlgorithm.SUFFIX)
 
 
+# drafters with no draft model: they propose from tokens
+DRAFT_FREE = (DraftAlgorithm.NGRAM, DraftAlgorithm.SUFFIX)
+# drafters that take spec.speculative.suffix: SUFFIX itself, and a draft model (hybrid)
+SUFFIXED = (DraftAlgorithm.SUFFIX, DraftAlgorithm.EAGLE, DraftAlgorithm.EAGLE3)
+
+
 class DraftSpec(SpecModel):
     path: str | None = Field(
         None,
@@ -307,3 +313,16 @@ def speculative_rules(num_steps: int, topk: int, num_draft_tokens: int) -> list[
             f"(the tree has no more nodes); got {num_draft_tokens}"
         )
     return broken
+
+
+def check_drafter_settings(draft: DraftSpec, speculative: SpeculativeSpec) -> None:
+    """``speculative.ngram`` only for NGRAM or SUFFIX, ``speculative.suffix`` only for
+    SUFFIX or a draft model (hybrid): `SubfieldError` naming the field otherwise."""
+    for field, algorithms in (("ngram", DRAFT_FREE), ("suffix", SUFFIXED)):
+        if getattr(speculative, field) is not None and draft.algorithm not in algorithms:
+            names = " or ".join(a.value for a in algorithms)
+            raise SubfieldError(
+                f"speculative.{field}",
+                f"set for spec.draft.algorithm {draft.algorithm.value}: it configures "
+                f"{names} drafting only; drop it or change the algorithm",
+            )

@@ -224,7 +224,7 @@ def build_follower(
     model, config = load_target(spec, device, knobs, None, tp)
     models: dict = {"target": model}
     shapes = {"target": local_pool_shape(config, config.num_hidden_layers, tp.size)}
-    if has_draft_model(spec):
+    if spec.has_draft_model:
         draft, draft_config = load_spec_draft(spec, model, config, device, knobs)
         models["draft"] = draft
         shapes["draft"] = local_pool_shape(draft_config.model, draft_config.num_kv_layers, tp.size)
@@ -254,7 +254,7 @@ def load_models(
             check_widest_rung_fits_context(spec_shape, spec.kv_cache.page_size, context_length)
         spec_policy = SpecPolicy(spec.speculative)
     draft_head = None
-    if has_draft_model(spec):
+    if spec.has_draft_model:
         draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))
     return Models(
         tokenizer=tokenizer,
@@ -267,11 +267,6 @@ def load_models(
         spec_policy=spec_policy,
         draft_head=draft_head,
     )
-
-
-def has_draft_model(spec: DeploymentSpec) -> bool:
-    """A draft model to load (EAGLE, EAGLE3): NGRAM drafts without one."""
-    return spec.draft is not None and spec.draft.algorithm.has_model
 
 
 def load_spec_draft(

@@ -95,7 +95,7 @@ def check_model_folders(spec: DeploymentSpec) -> None:
     _about(FIELD, TpShape.of, target, tensor)
     tokenizer_field = "spec.model.tokenizer" if spec.model.tokenizer else "spec.model.path"
     _about(tokenizer_field, load_tokenizer, spec.model.tokenizer or spec.model.path)
-    if spec.draft is not None and spec.draft.algorithm.has_model:  # NGRAM, SUFFIX: none
+    if spec.has_draft_model:  # NGRAM and SUFFIX have no draft folder
         draft = _about("spec.draft.path", check_draft, spec.draft, target)
         _about(FIELD, TpShape.of, draft.model, tensor, "draft")
 

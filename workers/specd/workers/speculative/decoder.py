@@ -151,8 +151,8 @@ class SpecDecoder:
         self.force_accept_len = force_accept_len  # benchmark-only (engine/bench_knobs.py)
         self._forced_draws = torch.Generator(device).manual_seed(0)
         self.guided_drafts = guided_drafts  # constrained requests draft what their grammar allows
-        self.algorithm = head.config.algorithm.value if head is not None else "NGRAM"
         if head is not None:  # a draft model (a draft-free subclass drafts otherwise)
+            self.algorithm = head.config.algorithm.value
             self.draft_loop = DraftLoop(head, ops, req_pool, draft_pool, backend)
             self._draft_vocab = head.draft_vocab_targets()  # guided drafting's id map
         self.graphs = None  # SpecGraphs once the engine enables CUDA graphs

@@ -1,7 +1,7 @@
 """Hybrid drafting: the draft model's tree, or SUFFIX's where it promises more.
 
 An EAGLE or EAGLE-3 deployment with ``speculative.suffix`` set keeps, beside the draft
-model's state, each request's tokens (``TokenHistory``) and the replica's output cache
+model's state, each request's tokens (``RequestTokens``) and the replica's output cache
 (``SuffixDrafting``).  Every speculating step the draft model drafts for the whole batch
 as usual; then each request whose SUFFIX proposal expects at least
 ``suffix.hybridThreshold`` accepted drafts verifies that tree in its row instead.  The
@@ -11,7 +11,6 @@ accepted tokens with the target's features either way (``SpecDecoder._advance``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,18 +21,9 @@ from specd.workers.rung import Rung
 from specd.workers.speculative.decoder import AcceptedPaths, DraftState, SpecDecoder
 from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
-from specd.workers.speculative.ngram import TokenHistory, padded_tree
+from specd.workers.speculative.ngram import RequestTokens, padded_tree
 from specd.workers.speculative.suffix import SuffixDrafting
 from specd.workers.speculative.tree import DraftTree
-
-
-@dataclass(frozen=True, slots=True)
-class TrackedTokens:
-    """A drafting request's tokens up to its root, and whose they are."""
-
-    history: TokenHistory
-    owner: str | None
-    output_start: int
 
 
 class HybridDecoder(SpecDecoder):
@@ -43,7 +33,7 @@ class HybridDecoder(SpecDecoder):
         super().__init__(*args, **kwargs)
         self.drafting = drafting
         self.threshold = threshold
-        self.tracked: dict[str, TrackedTokens] = {}  # compute side, as the draft states
+        self.tracked: dict[str, RequestTokens] = {}  # compute side, as the draft states
         self._suffix_trees = 0
 
     def after_extend(
@@ -57,8 +47,7 @@ class HybridDecoder(SpecDecoder):
         super().after_extend(reqs, starts, token_ids, features, complete)
         for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True):
             if done:
-                history = TokenHistory([*req.fill_ids[: start + len(ids)], ids[-1]])
-                self.tracked[req.rid] = TrackedTokens(history, req.owner, len(req.prompt_ids))
+                self.tracked[req.rid] = RequestTokens.at_prompt_end(req, start + len(ids), ids[-1])
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
@@ -79,7 +68,7 @@ class HybridDecoder(SpecDecoder):
         for rid in rids:
             tracked = self.tracked.pop(rid, None)
             if finished and tracked is not None:
-                self.drafting.record(tracked.history, tracked.owner, tracked.output_start)
+                self.drafting.record(tracked)
         super().drop(rids, finished)
 
     def _draft_tree(
@@ -96,10 +85,7 @@ class HybridDecoder(SpecDecoder):
         nodes = rung.draft_tokens - 1
         chosen, proposals = [], []
         for i, req in enumerate(reqs):
-            tracked = self.tracked[req.rid]
-            proposal = self.drafting.propose(
-                tracked.history, tracked.owner, rung.steps, rung.topk, nodes
-            )
+            proposal = self.drafting.propose(self.tracked[req.rid], rung.steps, rung.topk, nodes)
             if proposal.tokens and proposal.score >= self.threshold:
                 chosen.append(i)
                 proposals.append(proposal)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
+from specd.workers.requests.request import Req
 from specd.workers.speculative.tree import DraftTree
 
 # continuations read per request: enough to fill a topk-wide tree from distinct matches
@@ -49,6 +50,30 @@ class TokenHistory:
             self._buf = grown
         self._buf[self._len : end] = tokens
         self._len = end
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTokens:
+    """A drafting request's tokens up to its root (the last one), and whose they are:
+    NGRAM's and SUFFIX's drafting state, and the hybrid's beside the draft model's."""
+
+    history: TokenHistory
+    owner: str | None  # the API key's id it came with (SUFFIX's cache is per owner)
+    output_start: int  # where its output begins in ``history``
+
+    @classmethod
+    def at_prompt_end(cls, req: Req, root: int, token: int) -> RequestTokens:
+        """``req``'s tokens once positions ``[0, root)`` are in the KV and ``token``
+        was sampled after them (the prompt's session history included)."""
+        return cls(TokenHistory([*req.fill_ids[:root], token]), req.owner, len(req.prompt_ids))
+
+    @property
+    def root_position(self) -> int:
+        return len(self.history) - 1
+
+    @property
+    def root_token(self) -> int:
+        return int(self.history.tokens[-1])
 
 
 def match_continuations(

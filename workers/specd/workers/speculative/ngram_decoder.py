@@ -4,7 +4,7 @@ Everything after the draft is `SpecDecoder`'s: the verify forward over the tree,
 or tree speculative sampling (drafts are deterministic proposals, which is what its
 target-only sampling assumes), the accepted path's KV move, log-probs, grammars and the
 plain rung.  What differs is the drafting state: per request, its tokens so far
-(``TokenHistory``), kept on the compute side like EAGLE's draft state, so the host
+(``RequestTokens``, whose last is the root), kept on the compute side like EAGLE's draft state, so the host
 lagging a step behind under overlap changes nothing.  A token decoded plainly (a plain
 rung, or beside prefill chunks) is appended at once: there is no draft to catch up.
 
@@ -15,9 +15,6 @@ plain decode produces; each finished walk is a sample (``shadow_samples``).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +32,8 @@ from specd.workers.speculative.layout import TreeLayout
 from specd.workers.speculative.ngram import (
     NgramProposer,
     Proposal,
+    RequestTokens,
     ShadowDraft,
-    TokenHistory,
     padded_tree,
 )
 from specd.workers.speculative.tree import DraftTree
@@ -44,18 +41,9 @@ from specd.workers.speculative.tree import DraftTree
 SHADOWS_AT_ONCE = 8  # requests whose plain tokens measure acceptance at a time
 
 
-@dataclass(frozen=True, slots=True)
-class NgramState:
-    """A request's draft-free drafting state: the root and every token up to it."""
-
-    root_position: int
-    root_token: int
-    history: TokenHistory  # tokens at positions 0..root_position (the root last)
-    owner: str | None = None  # the API key's id the request came with (SUFFIX)
-    output_start: int = 0  # where its output begins in ``history`` (SUFFIX)
-
-
 class NgramDecoder(SpecDecoder):
+    algorithm = "NGRAM"
+
     def __init__(
         self,
         target: LlamaForCausalLM,
@@ -111,10 +99,7 @@ class NgramDecoder(SpecDecoder):
         with its prompt (session history included) as the tokens it matches against."""
         for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True):
             if done:
-                root = start + len(ids)
-                history = TokenHistory([*req.fill_ids[:root], ids[-1]])
-                prompt = len(req.prompt_ids)
-                self.states[req.rid] = NgramState(root, ids[-1], history, req.owner, prompt)
+                self.states[req.rid] = RequestTokens.at_prompt_end(req, start + len(ids), ids[-1])
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
@@ -123,17 +108,14 @@ class NgramDecoder(SpecDecoder):
         for req, root, token in zip(reqs, roots, tokens, strict=True):
             state = self.state_at(req, root)
             shadow = self._shadow(req.rid, state)
-            state.history.extend((token,))
-            self.states[req.rid] = dataclasses.replace(
-                state, root_position=root + 1, root_token=token
-            )
+            state.history.extend((token,))  # the root moves with it
             accepted = None if shadow is None else shadow.follow(token)
             if accepted is not None:  # the walk ended: the next root drafts anew
                 self._shadow_samples.append(accepted)
                 del self._shadows[req.rid]
         return 0.0, 0
 
-    def _shadow(self, rid: str, state: NgramState) -> ShadowDraft | None:
+    def _shadow(self, rid: str, state: RequestTokens) -> ShadowDraft | None:
         """The request's draft in the shadow, proposed now (at its root) if it has none
         and fewer than ``SHADOWS_AT_ONCE`` requests have one (a bound on the cost)."""
         shadow = self._shadows.get(rid)
@@ -151,7 +133,7 @@ class NgramDecoder(SpecDecoder):
         samples, self._shadow_samples = tuple(self._shadow_samples), []
         return samples
 
-    def propose(self, state: NgramState, steps: int, topk: int, num_nodes: int) -> Proposal:
+    def propose(self, state: RequestTokens, steps: int, topk: int, num_nodes: int) -> Proposal:
         """The drafts for ``state``'s request: at most ``num_nodes``, ``steps`` deep and
         ``topk`` wide."""
         return self.proposer.propose(state.history, steps, topk, num_nodes)
@@ -167,15 +149,9 @@ class NgramDecoder(SpecDecoder):
     def _advance(
         self, reqs: list[Req], new_roots: list[int], rung: Rung, accepted: AcceptedPaths
     ) -> None:
-        for req, old, new, toks in zip(
-            reqs, accepted.roots, new_roots, accepted.tokens, strict=True
-        ):
-            state = self.state_at(req, old)
+        for req, old, toks in zip(reqs, accepted.roots, accepted.tokens, strict=True):
             self._shadows.pop(req.rid, None)  # a real verify ran: its walk is moot
-            state.history.extend(toks)
-            self.states[req.rid] = dataclasses.replace(
-                state, root_position=new, root_token=toks[-1]
-            )
+            self.state_at(req, old).history.extend(toks)  # the root moves to the last
 
     def _duplicate_prefix_tails(
         self, rows: list[int], roots: list[int], layout: TreeLayout
@@ -186,7 +162,7 @@ class NgramDecoder(SpecDecoder):
         self,
         reqs: list[Req],
         rows: list[int],
-        states: list[NgramState],
+        states: list[RequestTokens],
         layout: TreeLayout,
         rung: Rung,
         guide: DraftGuide | None,
@@ -196,7 +172,7 @@ class NgramDecoder(SpecDecoder):
         roots = [s.root_token for s in states]
         return padded_tree(proposals, roots, rung.steps, rung.draft_tokens, self.device, self.ops)
 
-    def _draft_guesses(self, states: list[NgramState]) -> torch.Tensor:
+    def _draft_guesses(self, states: list[RequestTokens]) -> torch.Tensor:
         """The plain rung's probe: the token a chain would propose after each root."""
         firsts = [self.propose(s, 1, 1, 1).tokens for s in states]
         return host_tensor([f[0] if f else -1 for f in firsts], self.device)

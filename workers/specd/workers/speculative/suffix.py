@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 
-from specd.workers.speculative.ngram import NgramProposer, Proposal, TokenHistory
+from specd.workers.speculative.ngram import NgramProposer, Proposal, RequestTokens
 
 SHARED = ""  # the owner of every request when outputs are shared
 
@@ -192,22 +192,19 @@ class SuffixDrafting:
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
 
-    def propose(
-        self, history: TokenHistory, owner: str | None, steps: int, topk: int, num_nodes: int
-    ) -> Proposal:
-        own = self.own.propose(history, steps, topk, num_nodes)
-        index = self.cache.index_of(owner)
+    def propose(self, tokens: RequestTokens, steps: int, topk: int, num_nodes: int) -> Proposal:
+        own = self.own.propose(tokens.history, steps, topk, num_nodes)
+        index = self.cache.index_of(tokens.owner)
         if index is None:
             return own
-        tail = tuple(history.tokens[-index.max_depth :].tolist())
+        tail = tuple(tokens.history.tokens[-index.max_depth :].tolist())
         cached = index.propose(
             tail, steps, topk, num_nodes, self.min_token_prob, self.max_spec_factor
         )
         return cached if cached.score > own.score else own
 
-    def record(self, history: TokenHistory, owner: str | None, output_start: int) -> None:
-        """A finished request's output (``history`` from ``output_start``) joins the
-        cache, after the tokens before it."""
-        tokens = history.tokens
-        lead = tokens[max(0, output_start - self.cache.max_depth) : output_start]
-        self.cache.insert(owner, tuple(tokens[output_start:].tolist()), tuple(lead.tolist()))
+    def record(self, tokens: RequestTokens) -> None:
+        """A finished request's output joins the cache, after the tokens before it."""
+        ids, start = tokens.history.tokens, tokens.output_start
+        lead = ids[max(0, start - self.cache.max_depth) : start]
+        self.cache.insert(tokens.owner, tuple(ids[start:].tolist()), tuple(lead.tolist()))

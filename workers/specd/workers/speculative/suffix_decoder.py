@@ -12,25 +12,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from specd.workers.speculative.ngram import Proposal
-from specd.workers.speculative.ngram_decoder import NgramDecoder, NgramState
+from specd.workers.speculative.ngram import Proposal, RequestTokens
+from specd.workers.speculative.ngram_decoder import NgramDecoder
 from specd.workers.speculative.suffix import SuffixDrafting
 
 
 class SuffixDecoder(NgramDecoder):
+    algorithm = "SUFFIX"
+
     def __init__(self, *args: Any, drafting: SuffixDrafting, **kwargs: Any):
         """``NgramDecoder``'s arguments, and the proposals with the output cache."""
         super().__init__(*args, **kwargs)
-        self.algorithm = "SUFFIX"
         self.drafting = drafting
 
-    def propose(self, state: NgramState, steps: int, topk: int, num_nodes: int) -> Proposal:
-        return self.drafting.propose(state.history, state.owner, steps, topk, num_nodes)
+    def propose(self, state: RequestTokens, steps: int, topk: int, num_nodes: int) -> Proposal:
+        return self.drafting.propose(state, steps, topk, num_nodes)
 
     def drop(self, rids: list[str], finished: bool = False) -> None:
         """A finished request's output joins the cache."""
         for rid in rids if finished else ():
             state = self.states.get(rid)
-            if isinstance(state, NgramState):
-                self.drafting.record(state.history, state.owner, state.output_start)
+            if state is not None:
+                self.drafting.record(state)
         super().drop(rids, finished)
