@@ -14,6 +14,7 @@ from specd.devtools.testing import (
     demo_reference,
     metric_value,
     run_all,
+    sampled_continuations,
     start_engine,
 )
 
@@ -100,10 +101,7 @@ def test_hybrid_sampling_keeps_the_target_distribution(pair, algorithm):
     spec = hybrid_engine(threshold=0.0, target=target, draft=draft, algorithm=algorithm)
     n = 800
     try:
-        runs = []
-        for engine in (plain, spec):
-            results = run_all(engine, [prompt] * n, max_tokens=3, temperature=1.0, ignore_eos=True)
-            runs.append([tuple(r[0][1:]) for r in results])
+        runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
         trees = metric_value(spec, "specd_spec_hybrid_suffix_trees_total")
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
     finally:

@@ -16,6 +16,7 @@ from specd.devtools.testing import (
     demo_reference,
     metric_value,
     run_all,
+    sampled_continuations,
     start_engine,
 )
 from specd.workers.config import ConfigError, parse_deployment
@@ -246,10 +247,7 @@ def test_draft_free_sampling_keeps_the_target_distribution(tiny_models, algorith
     )
     n = 800
     try:
-        runs = []
-        for engine in (plain, spec):
-            results = run_all(engine, [prompt] * n, max_tokens=3, temperature=1.0, ignore_eos=True)
-            runs.append([tuple(r[0][1:]) for r in results])
+        runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
     finally:
         plain.shutdown()

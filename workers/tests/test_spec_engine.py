@@ -20,6 +20,7 @@ from specd.devtools.testing import (
     metric_value,
     random_prompts,
     run_all,
+    sampled_continuations,
     start_engine,
     start_spec_engine,
     wait_idle,
@@ -122,12 +123,6 @@ def test_metrics_and_usage_count_verifies(pair, reference):
         engine.shutdown()
 
 
-def first_tokens(engine, prompt, n, count):
-    """The first ``count`` generated tokens of ``n`` unseeded samples at temperature 1."""
-    results = run_all(engine, [prompt] * n, max_tokens=count, temperature=1.0, ignore_eos=True)
-    return [tuple(r[0]) for r in results]
-
-
 def test_sampling_matches_target_distribution(tiny_models, tmp_path):
     """Temperature 1: the laws of generated tokens 2 and 3 (the ones verify emits; token 1
     comes from prefill) with speculation equal the target's.  Chi-square on contingency
@@ -144,8 +139,8 @@ def test_sampling_matches_target_distribution(tiny_models, tmp_path):
     )
     try:
         n = 800
-        a = [t[1:] for t in first_tokens(plain, prompt, n, count=3)]
-        b = [t[1:] for t in first_tokens(spec, prompt, n, count=3)]
+        a = sampled_continuations(plain, prompt, n)
+        b = sampled_continuations(spec, prompt, n)
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
     finally:
         plain.shutdown()

@@ -414,6 +414,13 @@ def check_token_sources(engine: Engine, results, max_tokens: int, overshoot: int
     assert 0 <= extra <= overshoot * len(usages), (verified, decoded)
 
 
+def sampled_continuations(engine: Engine, prompt, n: int, count: int = 3) -> list[tuple]:
+    """Generated tokens 2..``count`` of ``n`` unseeded samples of ``prompt`` at
+    temperature 1 (token 1 comes from prefill; the rest from verify steps)."""
+    results = run_all(engine, [prompt] * n, max_tokens=count, temperature=1.0, ignore_eos=True)
+    return [tuple(r[0][1:]) for r in results]
+
+
 def check_same_marginals(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> None:
     """Two runs' sampled tokens (one tuple of positions per sample) follow the same law at
     each position: chi-square on a contingency table, tokens seen under 10 times pooled."""
