@@ -300,6 +300,16 @@ ENGINES = {
         draft={"algorithm": "SUFFIX"},
         speculative={"numSteps": 3, "topk": 1, "numDraftTokens": 4},
     ),
+    "hybrid chain": lambda: start_engine(  # the EAGLE head, or SUFFIX's tree above 0
+        DEMO_TARGET,
+        draft={"path": DEMO_EAGLE},
+        speculative={
+            "numSteps": 3,
+            "topk": 1,
+            "numDraftTokens": 4,
+            "suffix": {"hybridThreshold": 0},
+        },
+    ),
     # four at once run plain, the draft deferred; three catch up and speculate
     "chain deferred": lambda: start_spec_engine(
         DEMO_TARGET, DEMO_EAGLE, steps=3, policy={"maxBatchForSpec": 3}
@@ -362,6 +372,8 @@ def test_greedy_structured_output_equals_transformers(kind, expected):
         assert engine.status().healthy, engine.status().last_error
         if kind != "plain overlap":
             assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
+        if kind == "hybrid chain":  # the free rerun drafts from the first run's outputs
+            assert metric_value(engine, "specd_spec_hybrid_suffix_trees_total") > 0
     finally:
         engine.shutdown()
     assert request_held_tokens(engine) == 0
