@@ -30,7 +30,6 @@ from specd.workers.rung import PLAIN, PlainReason, Rung
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.cost_model import (
     COST_WINDOW,
-    MIN_SAMPLES,
     SHORT_BACKLOG,
     CostModel,
     StepCost,
@@ -224,9 +223,12 @@ def test_a_draft_that_never_matches_runs_plain_after_warmup(pair, overlap):
     assert 0 < drafted <= 3 * 4 * model.explorations
 
 
-def test_a_draft_that_predicts_the_text_keeps_speculating():
+def test_a_draft_that_predicts_the_text_is_measured_and_followed():
     """The shipped trained pair on a prompt it continues as '#' lines accepts nearly all
-    drafts: speculation predicts more tokens per second and keeps running."""
+    drafts. Which rung wins is a timing fact of the machine (a loaded CI core can make
+    plain the faster one; benchmarks/ measure it, and the decision rules are tested
+    above on given costs): here both rungs are measured, the prediction is (1 +
+    accepted drafts) / seconds per request, and the last decision took the faster."""
     tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
     prompt = tok.encode("# " + "-" * 60 + "\n").ids
     engine = cost_engine(DEMO_TARGET, DEMO_EAGLE)
@@ -235,13 +237,20 @@ def test_a_draft_that_predicts_the_text_keeps_speculating():
         status = engine.status().adaptive
     finally:
         engine.shutdown()
-    assert len(tokens) == 96
+    assert tokens == hf_greedy(DEMO_TARGET, [prompt], 96)[0]
     [bucket] = status.cost_model.buckets
-    assert bucket.best_steps == 3, status.cost_model
     [accepted] = status.cost_model.accepted_drafts
-    assert accepted.accepted_drafts > 2.0
-    # plain ran only to be measured: warm-up + MIN_SAMPLES, and the reruns
-    assert status.plain_steps.cost <= 1 + MIN_SAMPLES + bucket.decisions // 64
+    assert accepted.steps == 3 and accepted.accepted_drafts > 2.0
+    rungs = {r.steps: r for r in bucket.rungs}
+    assert set(rungs) == {0, 3} and bucket.decisions > 0, status.cost_model
+    gain = {0: 1.0, 3: 1.0 + accepted.accepted_drafts}
+    for steps, rung in rungs.items():
+        assert rung.tokens_per_second == pytest.approx(
+            gain[steps] / rung.seconds_per_request, rel=0.01
+        )
+    rates = {steps: r.tokens_per_second for steps, r in rungs.items()}
+    if abs(rates[3] / rates[0] - 1) > 0.1:  # a near tie may flip on the last step
+        assert bucket.best_steps == max(rates, key=rates.get), status.cost_model
 
 
 # -- deferred draft extends (speculative/deferred_extend.py) ------------------------------
