@@ -156,8 +156,11 @@ def main(argv=None):
         ("NGRAM", "SUFFIX"), (("chain", chain_shape), ("tree", tree_shape))
     ):
         name = f"specd-{algorithm.lower()}-{kind}"
-        fields = spec_fields(algorithm, *shape)
-        workers.append(Worker("specd", py, args.target, "float32", max_batch, name, fields))
+        for suffix, cost_model in (("", True), ("-always", False)):
+            fields = spec_fields(algorithm, *shape, cost_model=cost_model)
+            workers.append(
+                Worker("specd", py, args.target, "float32", max_batch, name + suffix, fields)
+            )
     workers += [
         Worker("transformers", py, args.target, "float32", max_batch),
         Worker("transformers-pld", py, args.target, "float32", max_batch),

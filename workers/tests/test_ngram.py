@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from specd.devtools.testing import (
     DEMO_TARGET,
@@ -13,6 +14,7 @@ from specd.devtools.testing import (
     check_same_marginals,
     check_small_pool_run,
     check_token_sources,
+    demo_prompts,
     demo_reference,
     metric_value,
     run_all,
@@ -29,6 +31,8 @@ from specd.workers.speculative.ngram import (
     match_continuations,
     padded_tree,
 )
+from specd.workers.speculative.tree import ragged_verify_mask, tree_attention_mask_for_verify
+from specd.workers.speculative.verify import verify_greedy, verify_sampling
 
 MAX_NEW = 24
 STEPS = 4  # draft steps of the engines below
@@ -90,6 +94,31 @@ def test_the_proposer_pads_every_tree_to_its_size_under_the_root():
     tree.check_invariants()
     assert tree.tokens.tolist() == [[2, 3, 1, 2, 2], [8, 8, 8, 8, 8]]
     assert tree.parents.tolist() == [[-1, 0, 1, 2, 0], [-1, 0, 0, 0, 0]]
+    assert tree.node_counts == (4, 1)
+
+
+def test_padding_is_never_accepted_and_its_mask_is_cut_off():
+    """A ragged tree's walks try each request's own nodes only, greedy and sampled, even
+    where the target predicts the padding's token; its verify mask is the full mask's
+    top-left block per request."""
+    proposals = [Proposal([3, 1], [-1, 0]), Proposal([], [])]
+    tree = padded_tree(proposals, [2, 8], steps=2, num_tokens=4, device="cpu")
+    # the target says 3, then 2 (the padding's token), at every node of request 0; 8 at 1's
+    argmax = torch.tensor([[3, 2, 2, 2], [8, 8, 8, 8]])
+    greedy = verify_greedy(tree, argmax)
+    assert greedy.accept_len.tolist() == [1, 0]
+    assert greedy.accepted_tokens.tolist() == [[3, 2, -1], [8, -1, -1]]
+    one_hot = torch.nn.functional.one_hot(argmax, 16).float()
+    sampled = verify_sampling(tree, one_hot, torch.zeros(2, 5))
+    assert sampled.accepted_tokens.tolist() == greedy.accepted_tokens.tolist()
+    prefix = [5, 7]
+    full = tree_attention_mask_for_verify(tree, prefix)
+    blocks = full.split([4 * (p + 4) for p in prefix])
+    expected = [
+        b.view(4, p + 4)[:n, : p + n].flatten()
+        for b, p, n in zip(blocks, prefix, (3, 1), strict=True)
+    ]
+    assert torch.equal(ragged_verify_mask(tree, prefix, tree.node_counts), torch.cat(expected))
 
 
 def test_a_shadow_walk_accepts_what_a_greedy_verify_would():
@@ -200,13 +229,15 @@ MATRIX = [  # NGRAM's whole matrix by default; SUFFIX (the same path) at its cor
 
 @pytest.mark.parametrize("algorithm, page_size, topk, overlap", MATRIX)
 def test_draft_free_greedy_is_lossless(reference, algorithm, page_size, topk, overlap):
-    """SUFFIX: the batch-1 run's output is in the cache when the concurrent run starts."""
+    """Requests with nothing to propose verify their roots alone beside the drafting
+    ones.  SUFFIX: the batch-1 run's output is in the cache when the concurrent run starts."""
     prompts, expected = reference
     engine = ngram_engine(page_size, topk, overlap, algorithm=algorithm)
     results = check_exact_run(engine, prompts, expected, MAX_NEW)
     check_token_sources(engine, results, MAX_NEW, overshoot=STEPS)
     assert metric_value(engine, "specd_spec_draft_info", algorithm=algorithm) == 1
     assert metric_value(engine, "specd_spec_accepted_tokens_total") > 10
+    assert metric_value(engine, "specd_spec_root_only_requests_total") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="ok") > 0
     assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
 
@@ -227,12 +258,13 @@ def test_draft_free_with_the_cost_model_stays_exact(reference, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", DRAFT_FREE)
-def test_draft_free_sampling_keeps_the_target_distribution(tiny_models, algorithm):
+def test_draft_free_sampling_keeps_the_target_distribution(algorithm):
     """Temperature 1: generated tokens 2 and 3 follow the target's law with draft-free
-    drafting (a prompt that repeats itself, so proposals exist and some are accepted;
-    SUFFIX also proposes the outputs of the samples before)."""
-    target = tiny_models("tied")
-    prompt = [5, 17, 42, 9] * 3 + [5, 17]
+    drafting.  The shipped target on Python source: sampled tokens often continue a match
+    in the prompt (proposals, dozens accepted), and the rest verify their roots alone;
+    SUFFIX also proposes the outputs of the samples before."""
+    target = DEMO_TARGET
+    prompt = demo_prompts(1, 48)[0]
     plain = start_engine(target, kvCache={"pageSize": 1})
     spec = start_engine(
         target,
@@ -249,10 +281,12 @@ def test_draft_free_sampling_keeps_the_target_distribution(tiny_models, algorith
     try:
         runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
+        root_only = metric_value(spec, "specd_spec_root_only_requests_total")
     finally:
         plain.shutdown()
         spec.shutdown()
     assert accepted > 0, "some proposals must be accepted for the test to mean anything"
+    assert root_only > 0
     a, b = runs
     check_same_marginals(a, b)
 

@@ -56,7 +56,7 @@ def _take(tree: DraftTree, rows: torch.Tensor) -> DraftTree:
     tensors = {
         f.name: getattr(tree, f.name)[rows]
         for f in dataclasses.fields(tree)
-        if f.name != "num_steps"
+        if f.name not in ("num_steps", "node_counts")
     }
     return DraftTree(**tensors, num_steps=tree.num_steps)
 

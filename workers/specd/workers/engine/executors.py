@@ -277,10 +277,11 @@ class SpeculativeExecutor(StepExecutor):
         """Host side of a verify: resolve, stop rules, metrics."""
         updated = self.scheduler.process_verify(batch, out.new_tokens, out.logprobs)
         live = {id(r) for r in updated}
-        accepted = tuple(
-            n for r, n in zip(batch.reqs, out.accept_lens, strict=True) if id(r) in live
+        counted = [i for i, r in enumerate(batch.reqs) if id(r) in live]
+        nodes = out.node_counts or (batch.rung.draft_tokens,) * len(batch.reqs)
+        self.metrics.observe_verify(
+            tuple(out.accept_lens[i] for i in counted), sum(nodes[i] - 1 for i in counted)
         )
-        self.metrics.observe_verify(accepted, batch.rung.draft_tokens - 1)
         self._observe_rung(batch, out)
         return updated
 
@@ -295,6 +296,8 @@ class SpeculativeExecutor(StepExecutor):
         )
         if out.suffix_trees:
             self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
+        if batch.rung.speculates and out.node_counts:
+            self.metrics.spec_root_only_requests.inc(out.node_counts.count(1))
         if out.shadow_accepted:
             self.policy.observe_shadow(self.decoder.shadow_rung, out.shadow_accepted)
             self.metrics.observe_shadow(out.shadow_accepted)

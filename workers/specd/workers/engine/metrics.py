@@ -177,6 +177,11 @@ class EngineMetrics:
             "Drafts the shadow walks accepted (their mean is the acceptance plain steps "
             "measure for the cost model)",
         )
+        self.spec_root_only_requests = counter(
+            "specd_spec_root_only_requests",
+            "NGRAM/SUFFIX speculating steps: requests with nothing to propose, which "
+            "verified their root alone (a plain decode's cost) beside the drafting ones",
+        )
         self.spec_hybrid_suffix_trees = counter(
             "specd_spec_hybrid_suffix_trees",
             "Hybrid drafting: requests that verified SUFFIX's tree instead of the draft "
@@ -222,14 +227,15 @@ class EngineMetrics:
         for _ in range(stats.row_width_errors):
             self.leak_check("req_to_token", "busy", ok=False)
 
-    def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens_per_verify: int) -> None:
-        """Account one verify batch: accept_lens are accepted drafts per request."""
+    def observe_verify(self, accept_lens: tuple[int, ...], draft_tokens: int) -> None:
+        """Account one verify batch: accept_lens are accepted drafts per request, and
+        ``draft_tokens`` the drafts verified for them all."""
         totals = self.spec_totals
         totals["verify_steps"] += len(accept_lens)
-        totals["draft_tokens"] += draft_tokens_per_verify * len(accept_lens)
+        totals["draft_tokens"] += draft_tokens
         totals["accepted_tokens"] += sum(accept_lens)
         self.spec_verify_steps.inc(len(accept_lens))
-        self.spec_draft_tokens.inc(draft_tokens_per_verify * len(accept_lens))
+        self.spec_draft_tokens.inc(draft_tokens)
         self.spec_accepted_tokens.inc(sum(accept_lens))
         for n in accept_lens:
             self.spec_accept_length.observe(n)

@@ -115,6 +115,9 @@ class SpecStepOut:
     # drafts a speculating step would have accepted, measured on plain tokens (NGRAM)
     shadow_accepted: tuple[int, ...] = ()
     suffix_trees: int = 0  # requests that verified SUFFIX's tree instead (hybrid)
+    # per request, the nodes it verified, the root included, where the tree was ragged
+    # (NGRAM, SUFFIX: no padding); empty: the rung's T for every request
+    node_counts: tuple[int, ...] = ()
 
 
 class SpecDecoder:
@@ -271,6 +274,7 @@ class SpecDecoder:
             catch_up_tokens=caught_up[1],
             shadow_accepted=self.shadow_samples(),
             suffix_trees=self.suffix_trees_taken(),
+            node_counts=tree.node_counts or (),
         )
 
     def shadow_samples(self) -> tuple[int, ...]:

@@ -173,16 +173,18 @@ def padded_tree(
     ops: KernelOps = TORCH_OPS,
 ) -> DraftTree:
     """The ``num_tokens``-node verify trees of ``proposals`` (root = each request's last
-    token): node i + 1 is proposal node i; the rest are copies of the root token under
-    the root."""
+    token): node i + 1 is proposal node i; the rest are padding (copies of the root
+    token under the root), cut off (``DraftTree.ragged``): a verify computes and tries
+    only each request's own nodes, the root alone where it proposes nothing."""
     all_tokens, all_parents = [], []
     for proposal, root in zip(proposals, roots, strict=True):
         pad = num_tokens - 1 - len(proposal.tokens)
         all_tokens.append([root, *proposal.tokens] + [root] * pad)
         all_parents.append([-1] + [p + 1 for p in proposal.parents] + [0] * pad)
-    return DraftTree.from_parents(
+    tree = DraftTree.from_parents(
         host_tensor(all_tokens, device), host_tensor(all_parents, device), steps, ops
     )
+    return tree.ragged([1 + len(p.tokens) for p in proposals])
 
 
 @dataclass(slots=True)

@@ -12,6 +12,11 @@ On plain steps the cost model still learns NGRAM's acceptance, which comes in bu
 (a request starts copying its context, then stops): up to ``SHADOWS_AT_ONCE`` requests
 keep the draft they would have verified (``ShadowDraft``) and walk it with the tokens
 plain decode produces; each finished walk is a sample (``shadow_samples``).
+
+Proposals differ in size, and a request may have none: the verify is ragged.  Each
+request's tree is its own nodes (``padded_tree`` cuts the padding off), and the verify
+forward runs those alone, so a request with nothing to propose costs what a plain
+decode of it would, beside the others' trees in the same forward.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from specd.kernels import AttentionBackend
 from specd.kernels.ops import TORCH_OPS, KernelOps, host_tensor
 from specd.workers.mem_cache.kv_pool import KVPool
 from specd.workers.mem_cache.req_to_token import ReqToTokenPool
+from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.requests.request import Req
 from specd.workers.rung import Rung
 from specd.workers.runner.logits_processors import LogitsProcessors
+from specd.workers.runner.model_runner import extend_layout
 from specd.workers.speculative.decoder import AcceptedPaths, SpecDecoder
 from specd.workers.speculative.guided_draft import DraftGuide
 from specd.workers.speculative.layout import TreeLayout
@@ -36,7 +43,7 @@ from specd.workers.speculative.ngram import (
     ShadowDraft,
     padded_tree,
 )
-from specd.workers.speculative.tree import DraftTree
+from specd.workers.speculative.tree import DraftTree, ragged_verify_mask
 
 SHADOWS_AT_ONCE = 8  # requests whose plain tokens measure acceptance at a time
 
@@ -171,6 +178,29 @@ class NgramDecoder(SpecDecoder):
         proposals = [self.propose(s, rung.steps, rung.topk, nodes) for s in states]
         roots = [s.root_token for s in states]
         return padded_tree(proposals, roots, rung.steps, rung.draft_tokens, self.device, self.ops)
+
+    def _verify_forward(
+        self, rows: list[int], roots: list[int], tree: DraftTree
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged tree's verify forward: over request b's first ``tree.node_counts[b]``
+        nodes only (no mask where every request verifies its root alone: a plain
+        decode's attention) -> (hidden, features) [bs*T, H], zeros at the padding."""
+        if tree.node_counts is None:
+            return super()._verify_forward(rows, roots, tree)
+        counts, width = list(tree.node_counts), tree.num_tokens
+        own = host_tensor(
+            [b * width + i for b, n in enumerate(counts) for i in range(n)], self.device
+        )
+        mask = None if max(counts) == 1 else ragged_verify_mask(tree, roots, counts)
+        _, out_loc, meta = extend_layout(self.req_pool.req_to_token, rows, roots, counts, mask)
+        positions = tree.positions(host_tensor(roots, self.device)).flatten()[own]
+        ctx = ForwardContext.planned(self.backend, meta, out_loc, self.target_pool)
+        hidden, features = self.verify_body(tree.tokens.flatten()[own], positions, ctx)
+        padded = [
+            x.new_zeros(len(rows) * width, x.shape[-1]).index_copy_(0, own, x)
+            for x in (hidden, features)
+        ]
+        return padded[0], padded[1]
 
     def _draft_guesses(self, states: list[RequestTokens]) -> torch.Tensor:
         """The plain rung's probe: the token a chain would propose after each root."""

@@ -21,6 +21,7 @@ structure from parent links and the verify mask come from the engine's ``KernelO
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,9 @@ class DraftTree:
     retrieve_next_token: torch.Tensor
     retrieve_next_sibling: torch.Tensor
     num_steps: int
+    # per request, its first n nodes are its tree; the rest are padding that the walks
+    # never try and a verify need not compute (``ragged``); None: all T are the tree
+    node_counts: tuple[int, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -120,6 +124,33 @@ class DraftTree:
             retrieve_next_token=structure.next_token,
             retrieve_next_sibling=structure.next_sibling,
             num_steps=int(structure.depths.max()) if num_steps is None else num_steps,
+        )
+
+    def walk_tokens(self) -> torch.Tensor:
+        """[bs, T] the tokens a verify walk compares, -1 at padding (never a match)."""
+        if self.node_counts is None:
+            return self.tokens
+        counts = torch.tensor(self.node_counts, device=self.tokens.device)[:, None]
+        node = torch.arange(self.num_tokens, device=self.tokens.device)
+        return self.tokens.masked_fill(node >= counts, -1)
+
+    def ragged(self, node_counts: Sequence[int]) -> DraftTree:
+        """This tree with request b's nodes past ``node_counts[b]`` cut off: padding nodes,
+        last in node order, are unlinked from the walks (a link always points to a later
+        node) and match no token (``walk_tokens``), so no verify accepts them and the
+        verify forward may skip them."""
+        if all(n == self.num_tokens for n in node_counts):
+            return self  # no padding
+        counts = torch.tensor(node_counts, device=self.tokens.device)[:, None]  # [bs, 1]
+        return dataclasses.replace(
+            self,
+            retrieve_next_token=self.retrieve_next_token.masked_fill(
+                self.retrieve_next_token >= counts, -1
+            ),
+            retrieve_next_sibling=self.retrieve_next_sibling.masked_fill(
+                self.retrieve_next_sibling >= counts, -1
+            ),
+            node_counts=tuple(node_counts),
         )
 
     def check_invariants(self) -> None:
@@ -220,3 +251,16 @@ def tree_attention_mask_for_verify(
     """
     lens = prefix_lens.tolist() if isinstance(prefix_lens, torch.Tensor) else list(prefix_lens)
     return ops.verify_mask(tree.tree_mask, lens)
+
+
+def ragged_verify_mask(
+    tree: DraftTree, prefix_lens: Sequence[int], node_counts: Sequence[int]
+) -> torch.Tensor:
+    """``tree_attention_mask_for_verify`` for a verify of each request's first
+    ``node_counts[b]`` nodes only: per request ``[n, prefix_len + n]``, concatenated."""
+    blocks = []
+    for b, (prefix, n) in enumerate(zip(prefix_lens, node_counts, strict=True)):
+        block = torch.ones(n, prefix + n, dtype=torch.bool, device=tree.tree_mask.device)
+        block[:, prefix:] = tree.tree_mask[b, :n, :n]
+        blocks.append(block.flatten())
+    return torch.cat(blocks)

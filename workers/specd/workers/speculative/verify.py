@@ -79,7 +79,7 @@ def verify_greedy(
     """
     target_argmax = target_argmax.long()
     last = ops.greedy_walk(
-        tree.tokens,
+        tree.walk_tokens(),
         tree.parents,
         tree.retrieve_next_token,
         tree.retrieve_next_sibling,
