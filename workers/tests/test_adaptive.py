@@ -263,10 +263,25 @@ def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
     return seen
 
 
-def check_widest_allocation(engine, seen) -> None:
-    """Every verify, whatever its rung, was granted committed + the reserve of every
-    rung of the ladder (committed counts the root pre-claimed when it was scheduled),
-    and the engine's shape is the max of steps, topk and T over the ladder."""
+def record_plain_decode_batches(engine) -> list:
+    """The batches of plain decodes the policy chose (not verifies), as launched."""
+    seen = []
+    submit = engine.executor.submit
+
+    def recording(batch):
+        if not batch.verify and batch.plain_reason is not None:
+            seen.append(batch)
+        return submit(batch)
+
+    engine.executor.submit = recording
+    return seen
+
+
+def check_widest_allocation(engine, seen, narrow: bool = True) -> None:
+    """Every verify, whatever its rung (``narrow``: some ran a narrower one than the
+    widest), was granted committed + the reserve of every rung of the ladder (committed
+    counts the root pre-claimed when it was scheduled), and the engine's shape is the
+    max of steps, topk and T over the ladder."""
     page, ladder = engine.kv.page_size, engine.spec.speculative.ladder
     assert engine.spec_shape == SpecShape(
         max(r.steps for r in ladder),
@@ -276,7 +291,8 @@ def check_widest_allocation(engine, seen) -> None:
     reserve = max(
         alloc_reserve_per_decode(SpecShape(r.steps, r.topk, r.draft_tokens), page) for r in ladder
     )
-    assert any(rung.draft_tokens < max(r.draft_tokens for r in ladder) for rung, _, _ in seen)
+    widest = max(r.draft_tokens for r in ladder)
+    assert any(rung.draft_tokens < widest for rung, _, _ in seen) == narrow
     for _, _, grants in seen:
         for granted, committed in grants:
             assert granted >= committed - 1 + reserve
@@ -360,11 +376,14 @@ def test_random_draft_moves_the_rung_down(pair, reference, shape, page_size, ove
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
     """maxBatchForSpec 2: one request speculates, four at once run plain (reason load),
-    then one request speculates again; the output is exact throughout."""
+    then one request speculates again; the output is exact throughout.  Without overlap
+    a plain batch is the runner's batch of plain decodes; under overlap, a root-only
+    verify (verifies are what it pipelines)."""
     prompts, expected = reference
     spec = {"numSteps": 3, "policy": {"maxBatchForSpec": 2}}
     engine = adaptive_engine(pair, spec, 1, overlap)
     seen = record_batches(engine)
+    decode_batches = record_plain_decode_batches(engine)
     enabled, by_load = [], []
     try:
         for picked in ([0], [0, 1, 2, 3], [1]):
@@ -378,7 +397,12 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
         assert enabled[0] == enabled[2] == 1
         assert by_load[0] == 0 < by_load[1] == by_load[2]
         load = plain_steps(engine, "load")
-        assert load == sum(by_load for _, by_load, _ in seen) > 0
+        assert load == sum(by_load for _, by_load, _ in seen) + len(decode_batches) > 0
+        assert bool(decode_batches) != overlap
+        assert all(
+            b.plain_reason == PlainReason.LOAD and len(b.reqs) > 2 and all(b.plain_decodes)
+            for b in decode_batches
+        )
         assert all(
             (rung == PLAIN) == by_load and (len(grants) > 2) == by_load
             for rung, by_load, grants in seen
@@ -386,7 +410,7 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
         plain = engine.status().adaptive.plain_steps.model_dump()
         assert plain == {"rung": 0, "load": load, "cost": 0}
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
-        check_widest_allocation(engine, seen)
+        check_widest_allocation(engine, seen, narrow=overlap)  # sync: no plain verify
     finally:
         engine.shutdown()
 

@@ -333,19 +333,22 @@ def test_plain_steps_under_load_defer_the_draft_and_catch_up(pair, page_size, to
 
 
 def record_draft_states(engine, rid: str) -> dict[int, torch.Tensor]:
-    """After every verify step: ``rid``'s draft state, by its root position, when current
-    (a backlog has none) -> {root position: the draft's logit hidden}."""
+    """After every verify step and every plain batch's deferral (where a full backlog
+    catches up): ``rid``'s draft state, by its root position, when current (a backlog
+    has none) -> {root position: the draft's logit hidden}."""
     decoder, seen = engine.executor.decoder, {}
-    step = decoder.step
 
-    def recording(*args, **kwargs):
-        out = step(*args, **kwargs)
-        state = decoder.states.get(rid)
-        if isinstance(state, DraftState):
-            seen[state.root_position] = state.logit_hidden.clone()
-        return out
+    def recording(method):
+        def recorded(*args, **kwargs):
+            out = method(*args, **kwargs)
+            state = decoder.states.get(rid)
+            if isinstance(state, DraftState):
+                seen[state.root_position] = state.logit_hidden.clone()
+            return out
 
-    decoder.step = recording
+        return recorded
+
+    decoder.step, decoder.defer = recording(decoder.step), recording(decoder.defer)
     return seen
 
 

@@ -71,6 +71,22 @@ class FilledSpan(NamedTuple):
         return ahead if self.sampled is None else [*ahead, self.sampled]
 
 
+class PlainBatchOut(NamedTuple):
+    """A batch of plain decodes the policy chose (load, cost), computed: the runner's
+    output, and what its deferred draft extends cost (a catch-up once a backlog was
+    full) and measured (NGRAM's shadow walks)."""
+
+    result: RunnerOutput
+    catch_up_seconds: float
+    catch_up_tokens: int
+    shadow_accepted: tuple[int, ...]
+
+    @property
+    def unusable_rows(self) -> tuple[int, ...]:
+        """The runner's (the pipeline fails those requests alone)."""
+        return self.result.unusable_rows
+
+
 class StepExecutor(ABC):
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, compute: Compute, overlap: bool):
         self.scheduler = scheduler
@@ -177,7 +193,26 @@ class SpeculativeExecutor(StepExecutor):
 
     def schedule(self) -> ScheduledBatch | None:
         start = time.perf_counter()
-        return self._with_rung(self.scheduler.schedule(), start)
+        if self.scheduler.wants_extend() or not self._decodes_plain_batches():
+            return self._with_rung(self.scheduler.schedule(), start)
+        drafting = [r for r in self.scheduler.running if r.spec_ready]
+        if not drafting:
+            return None
+        rung, plain_reason = self.policy.choose(len(drafting), self._mean_backlog(drafting))
+        if plain_reason in DEFERRING:
+            batch = self.scheduler.schedule_plain_decodes()
+            if batch is not None:
+                return dataclasses.replace(
+                    batch, rung=PLAIN, plain_reason=plain_reason, scheduled_at=start
+                )
+        return self._with_rung(self.scheduler.schedule_verify(), start, (rung, plain_reason))
+
+    def _decodes_plain_batches(self) -> bool:
+        """Whether a batch the policy runs plain (load, cost) is a batch of plain decodes
+        through the model runner, the plain engine's own step, rather than a root-only
+        verify: without overlap (which pipelines verifies only) and CUDA graphs (which
+        hold the root-only verify's replay)."""
+        return not self.overlap and self.graphs is None
 
     def schedule_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
         if self.scheduler.wants_extend():
@@ -206,12 +241,13 @@ class SpeculativeExecutor(StepExecutor):
     def process(self, batch: ScheduledBatch, out) -> list[Req]:
         if batch.verify:
             return self._process_verify(batch, out)
-        updated = self.scheduler.process_result(batch, out)
+        chosen = out if isinstance(out, PlainBatchOut) else None  # the policy's plain batch
+        updated = self.scheduler.process_result(batch, out if chosen is None else chosen.result)
         decoded = []  # plain decodes: one more token each that its draft has not read
-        for req, sampled, plain in zip(
+        for req, sampled, decodes in zip(
             batch.reqs, batch.sample, batch.decodes_plainly, strict=True
         ):
-            if plain:
+            if decodes:
                 decoded.append(req)
                 continue
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
@@ -220,7 +256,10 @@ class SpeculativeExecutor(StepExecutor):
         self._count_backlogs(decoded, deferred=True)
         if any(self._backlogs.get(r.rid, 0) >= CATCH_UP_AT for r in decoded):
             self._count_backlogs(decoded, deferred=False)  # SpecDecoder.defer read them all
-        self.metrics.observe_plain_decodes(len(decoded))
+        if chosen is None:
+            self.metrics.observe_plain_decodes(len(decoded))
+        else:
+            self._observe_plain_batch(batch, chosen)
         return updated
 
     def capture_graphs(self, sizes: list[int]) -> None:
@@ -228,13 +267,20 @@ class SpeculativeExecutor(StepExecutor):
         self.decoder.graphs = self.graphs
         self.graphs.capture()
 
-    def _with_rung(self, batch: ScheduledBatch | None, start: float) -> ScheduledBatch | None:
+    def _with_rung(
+        self,
+        batch: ScheduledBatch | None,
+        start: float,
+        chosen: tuple[Rung, PlainReason | None] | None = None,
+    ) -> ScheduledBatch | None:
         """Fix a verify batch's rung when it is scheduled: the adaptive controller's
-        active rung, or plain when the policy says so (allocation stays widest)."""
+        active rung, or plain when the policy says so (allocation stays widest), unless
+        already ``chosen``."""
         if batch is None or not batch.verify:
             return batch
-        backlog = sum(self._backlogs.get(r.rid, 0) for r in batch.reqs) / len(batch.reqs)
-        rung, plain_reason = self.policy.choose(len(batch.reqs), backlog)
+        if chosen is None:
+            chosen = self.policy.choose(len(batch.reqs), self._mean_backlog(batch.reqs))
+        rung, plain_reason = chosen
         return dataclasses.replace(
             batch,
             rung=rung,
@@ -243,16 +289,22 @@ class SpeculativeExecutor(StepExecutor):
             extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
         )
 
-    def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput:
+    def _mean_backlog(self, reqs: Sequence[Req]) -> float:
+        return sum(self._backlogs.get(r.rid, 0) for r in reqs) / len(reqs)
+
+    def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput | PlainBatchOut:
         """Compute side of a prefill/decode batch, then the draft over the same positions."""
         result = self.runner.run(batch, self.decoder.capture_layers)
-        self._draft_after_extend(batch, result)
-        return result
+        caught_up = self._draft_after_extend(batch, result)
+        if batch.plain_reason is None:
+            return result
+        return PlainBatchOut(result, *caught_up, self.decoder.shadow_samples())
 
-    def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+    def _draft_after_extend(self, batch: ScheduledBatch, result: RunnerOutput) -> tuple[float, int]:
         """Draft rows for the positions the target just filled (token ``p + 1`` with the
         target's hidden at ``p``; the last one of a finished prompt is the sampled token).
-        A plain decode beside the prefill chunks leaves its token to the draft's backlog."""
+        A plain decode leaves its token to the draft's backlog -> the (seconds, tokens)
+        of the catch-up that a full backlog started, zeros if none."""
         features = self.decoder.features(result.hidden, result.aux)
         spans = FilledSpan.of(batch, result)
         extends = [s for s in spans if not s.plain_decode]
@@ -266,12 +318,13 @@ class SpeculativeExecutor(StepExecutor):
         decodes = [s for s in spans if s.plain_decode]
         if decodes:  # their feature rows copied: a backlog outlives this batch's tensors
             rows = torch.tensor([s.row for s in decodes], device=features.device)
-            self.decoder.defer(
+            return self.decoder.defer(
                 [s.req for s in decodes],
                 [s.start for s in decodes],
                 [s.sampled for s in decodes],
                 features.index_select(0, rows),
             )
+        return 0.0, 0
 
     def _process_verify(self, batch: ScheduledBatch, out) -> list[Req]:
         """Host side of a verify: resolve, stop rules, metrics."""
@@ -298,16 +351,31 @@ class SpeculativeExecutor(StepExecutor):
             self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
         if batch.rung.speculates and out.node_counts:
             self.metrics.spec_root_only_requests.inc(out.node_counts.count(1))
-        if out.shadow_accepted:
-            self.policy.observe_shadow(self.decoder.shadow_rung, out.shadow_accepted)
-            self.metrics.observe_shadow(out.shadow_accepted)
         deferred = batch.plain_reason in DEFERRING
         if deferred:  # a full backlog: what staying plain costs
             self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
         self._count_backlogs(batch.reqs, deferred and not out.catch_up_tokens)
+        self._observe_shadows_and_cost(rung, len(batch.reqs), out.shadow_accepted)
+
+    def _observe_plain_batch(self, batch: ScheduledBatch, out: PlainBatchOut) -> None:
+        """Feed a batch of plain decodes the policy chose to the cost model, as the
+        plain rung: its whole step's seconds, less a catch-up (charged apart)."""
+        self.metrics.observe_rung(batch.plain_reason)
+        seconds = time.perf_counter() - batch.scheduled_at - out.catch_up_seconds
+        self.policy.observe(PLAIN, batch.plain_reason, (), seconds, len(batch.reqs))
+        self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
+        self._observe_shadows_and_cost(PLAIN, len(batch.reqs), out.shadow_accepted)
+
+    def _observe_shadows_and_cost(
+        self, rung: Rung, batch_size: int, shadow_accepted: tuple[int, ...]
+    ) -> None:
+        """Shadow walks' acceptance to the cost model, and its gauges for ``rung``."""
+        if shadow_accepted:
+            self.policy.observe_shadow(self.decoder.shadow_rung, shadow_accepted)
+            self.metrics.observe_shadow(shadow_accepted)
         model = self.policy.cost_model
         if model is not None:
-            bucket = batch_bucket(len(batch.reqs))
+            bucket = batch_bucket(batch_size)
             self.metrics.observe_cost(
                 bucket,
                 rung.steps,

@@ -213,6 +213,13 @@ class Scheduler:
             if r.status is RequestStatus.RUNNING and self.kv.grow(r.kv, r.kv.committed + 1)
         ]
 
+    def schedule_plain_decodes(self) -> ScheduledBatch | None:
+        """A batch the policy runs plain: each drafting request decodes its root."""
+        with self.kv.batched_writes():
+            decodes = self._plain_decodes(drafting := [r for r in self.running if r.spec_ready])
+        full = decodes and len(decodes) == len(drafting)  # else a verify, which may retract
+        return launched(decodes, plain_decodes=(True,) * len(decodes)) if full else None
+
     def schedule_decode_ahead(self, in_flight: ScheduledBatch) -> ScheduledBatch | None:
         """Overlap scheduling, plain decode: the decode step after ``in_flight``, picked
         while that batch computes.  Each request reads the token ``in_flight`` samples for
