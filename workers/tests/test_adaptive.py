@@ -247,33 +247,40 @@ def reference(pair):
     return prompts, hf_greedy(pair[0], prompts, MAX_NEW)
 
 
-def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
-    """Per verify batch as launched: (rung, plain by load, [(granted, committed)])."""
-    seen = []
+def on_submit(engine, record) -> None:
+    """Call ``record(batch)`` for every batch the engine submits, as it is launched."""
     submit = engine.executor.submit
 
     def recording(batch):
+        record(batch)
+        return submit(batch)
+
+    engine.executor.submit = recording
+
+
+def record_batches(engine) -> list[tuple[Rung, bool, list[tuple[int, int]]]]:
+    """Per verify batch as launched: (rung, plain by load, [(granted, committed)])."""
+    seen = []
+
+    def record(batch):
         if batch.verify:
             grants = zip(batch.granted_lens, batch.reqs, strict=True)
             by_load = batch.plain_reason == PlainReason.LOAD
             seen.append((batch.rung, by_load, [(g, r.kv.committed) for g, r in grants]))
-        return submit(batch)
 
-    engine.executor.submit = recording
+    on_submit(engine, record)
     return seen
 
 
 def record_plain_decode_batches(engine) -> list:
     """The batches of plain decodes the policy chose (not verifies), as launched."""
     seen = []
-    submit = engine.executor.submit
 
-    def recording(batch):
+    def record(batch):
         if not batch.verify and batch.plain_reason is not None:
             seen.append(batch)
-        return submit(batch)
 
-    engine.executor.submit = recording
+    on_submit(engine, record)
     return seen
 
 

@@ -224,10 +224,18 @@ def test_a_draft_that_never_matches_runs_plain_after_warmup(pair, overlap):
     assert 0 < drafted <= 3 * 4 * model.explorations
 
 
-def hash_lines_prompt() -> list[int]:
-    """A prompt the shipped target continues with '#' lines, over and over."""
+def run_hash_lines(engine):
+    """96 tokens of a prompt the shipped target continues with '#' lines, over and over,
+    equal to transformers' -> the engine's adaptive status (the engine shut down)."""
     tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    return tok.encode("# " + "-" * 60 + "\n").ids
+    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    try:
+        [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
+        status = engine.status().adaptive
+    finally:
+        engine.shutdown()
+    assert tokens == hf_greedy(DEMO_TARGET, [prompt], 96)[0]
+    return status
 
 
 def test_a_draft_that_predicts_every_token_keeps_speculating():
@@ -235,7 +243,6 @@ def test_a_draft_that_predicts_every_token_keeps_speculating():
     draft accepted) at no draft cost: 8 tokens per verify for the price of a little
     more than one plain step, a margin (4-6x here, also on loaded cores) that no timing
     noise flips. Plain runs only to be measured."""
-    prompt = hash_lines_prompt()
     engine = start_engine(
         DEMO_TARGET,
         kvCache={"pageSize": 1, "maxTokens": 4096},
@@ -244,12 +251,7 @@ def test_a_draft_that_predicts_every_token_keeps_speculating():
         speculative={"numSteps": 7, "numDraftTokens": 8, "policy": {}},
         debug={"strictMemCheck": 1},
     )
-    try:
-        [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
-        status = engine.status().adaptive
-    finally:
-        engine.shutdown()
-    assert tokens == hf_greedy(DEMO_TARGET, [prompt], 96)[0]
+    status = run_hash_lines(engine)
     [bucket] = status.cost_model.buckets
     [accepted] = status.cost_model.accepted_drafts
     assert accepted.accepted_drafts > 5.0
@@ -264,14 +266,7 @@ def test_a_draft_that_predicts_the_text_is_measured_and_followed():
     plain the faster one; benchmarks/ measure it, and the decision rules are tested
     above on given costs): here both rungs are measured, the prediction is (1 +
     accepted drafts) / seconds per request, and the last decision took the faster."""
-    prompt = hash_lines_prompt()
-    engine = cost_engine(DEMO_TARGET, DEMO_EAGLE)
-    try:
-        [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
-        status = engine.status().adaptive
-    finally:
-        engine.shutdown()
-    assert tokens == hf_greedy(DEMO_TARGET, [prompt], 96)[0]
+    status = run_hash_lines(cost_engine(DEMO_TARGET, DEMO_EAGLE))
     [bucket] = status.cost_model.buckets
     [accepted] = status.cost_model.accepted_drafts
     assert accepted.steps == 3 and accepted.accepted_drafts > 2.0

@@ -16,8 +16,8 @@ from specd.devtools.testing import (
     check_small_pool_run,
     check_token_sources,
     demo_prompts,
-    hf_greedy,
     metric_value,
+    plain_reference,
     random_prompts,
     run_all,
     sampled_continuations,
@@ -39,15 +39,8 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def reference(pair):
     """Prompts and plain-decode greedy outputs (checked against transformers once)."""
-    target = pair[0]
     prompts = random_prompts(8, 300, seed=7)
-    engine = start_engine(target, kvCache={"pageSize": 1})
-    try:
-        outputs = [r[0] for r in run_all(engine, prompts, max_tokens=MAX_NEW, ignore_eos=True)]
-    finally:
-        engine.shutdown()
-    assert outputs == hf_greedy(target, prompts, MAX_NEW)
-    return prompts, outputs
+    return prompts, plain_reference(pair[0], prompts, MAX_NEW)
 
 
 def spec_engine(pair, page_size=1, steps=3, topk=1, tokens=None, algorithm="EAGLE", **extra):

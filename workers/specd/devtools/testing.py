@@ -296,18 +296,22 @@ def demo_prompts(n=4, length=48):
     return [ids[i * 97 : i * 97 + length] for i in range(n)]
 
 
-def demo_reference(n: int, length: int, max_tokens: int) -> tuple[list, list]:
-    """``demo_prompts(n, length)`` and the demo target's plain greedy outputs, checked
-    against transformers' (the reference a speculative engine must equal)."""
-    prompts = demo_prompts(n, length)
-    target = str(DEMO_MODELS / "demo-target")
+def plain_reference(target, prompts, max_tokens: int) -> list[list[int]]:
+    """``target``'s plain greedy outputs for ``prompts``, checked against transformers'
+    (the reference a speculative engine must equal)."""
     engine = start_engine(target, kvCache={"pageSize": 1})
     try:
         outputs = [r[0] for r in run_all(engine, prompts, max_tokens=max_tokens, ignore_eos=True)]
     finally:
         engine.shutdown()
     assert outputs == hf_greedy(target, prompts, max_tokens)
-    return prompts, outputs
+    return outputs
+
+
+def demo_reference(n: int, length: int, max_tokens: int) -> tuple[list, list]:
+    """``demo_prompts(n, length)`` and the demo target's ``plain_reference``."""
+    prompts = demo_prompts(n, length)
+    return prompts, plain_reference(str(DEMO_MODELS / "demo-target"), prompts, max_tokens)
 
 
 def ragged_demo_prompts(lengths=(5, 48, 17, 33, 9, 40)):

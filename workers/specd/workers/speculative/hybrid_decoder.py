@@ -45,9 +45,7 @@ class HybridDecoder(SpecDecoder):
         complete: list[bool],
     ) -> None:
         super().after_extend(reqs, starts, token_ids, features, complete)
-        for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True):
-            if done:
-                self.tracked[req.rid] = RequestTokens.at_prompt_end(req, start + len(ids), ids[-1])
+        self.tracked.update(RequestTokens.of_completed_prompts(reqs, starts, token_ids, complete))
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor

@@ -14,6 +14,7 @@ never changes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,22 @@ class RequestTokens:
         """``req``'s tokens once positions ``[0, root)`` are in the KV and ``token``
         was sampled after them (the prompt's session history included)."""
         return cls(TokenHistory([*req.fill_ids[:root], token]), req.owner, len(req.prompt_ids))
+
+    @classmethod
+    def of_completed_prompts(
+        cls,
+        reqs: Sequence[Req],
+        starts: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        complete: Sequence[bool],
+    ) -> dict[str, RequestTokens]:
+        """An extend's chunks (``SpecDecoder.after_extend``'s arguments) -> by rid, the
+        tokens of each request whose prompt it completed, up to its sampled token."""
+        return {
+            req.rid: cls.at_prompt_end(req, start + len(ids), ids[-1])
+            for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True)
+            if done
+        }
 
     @property
     def root_position(self) -> int:

@@ -104,9 +104,7 @@ class NgramDecoder(SpecDecoder):
     ) -> None:
         """A request whose prompt is now complete starts drafting from its sampled token,
         with its prompt (session history included) as the tokens it matches against."""
-        for req, start, ids, done in zip(reqs, starts, token_ids, complete, strict=True):
-            if done:
-                self.states[req.rid] = RequestTokens.at_prompt_end(req, start + len(ids), ids[-1])
+        self.states.update(RequestTokens.of_completed_prompts(reqs, starts, token_ids, complete))
 
     def defer(
         self, reqs: list[Req], roots: list[int], tokens: list[int], root_features: torch.Tensor
