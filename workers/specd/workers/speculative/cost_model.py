@@ -36,6 +36,14 @@ warmer cache) can win back.
 Buckets are narrow (the sizes in one are within a quarter of each other) because a
 step's cost per request falls with the batch while its fixed part is shared: costs of
 the two candidates measured at sizes far apart would compare badly.
+
+Costs measured far apart in time compare badly too: a step gets slower as its requests'
+contexts grow (attention reads more KV), and the loser is measured only now and then.
+So the model also keeps, per bucket and speculating rung, the ratio of its step cost to
+plain's, from samples of the two taken within ``PAIRED_STEPS`` steps of each other
+(``Bucket.ratios``), and compares the rungs at the newest measurement: the rung measured
+last keeps its own cost, the other's is that scaled by the ratio.  A drift both rungs
+share (all 32 requests of a batch at twice the context) then cannot flip the decision.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun
 # request) must not weigh as much as a full batch
 ACCEPTANCE_BATCH = 8
 MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
+PAIRED_STEPS = COST_WINDOW  # a bucket's steps within which two rungs' samples form a ratio
+RATIO_WINDOW = 5  # the newest cost ratios whose median is a rung's ratio to plain
 
 
 @dataclass(slots=True)
@@ -84,13 +94,19 @@ class StepCost:
     seen: int = 0
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     value: float | None = None
+    step: int = 0  # the bucket's step count at the newest counted sample (``window[-1]``)
 
-    def add(self, seconds_per_request: float) -> None:
+    def add(self, seconds_per_request: float, step: int = 0) -> bool:
+        """Count a step's seconds per request (the bucket's ``step``-th); False for a
+        dropped warm-up step."""
         self.seen += 1
-        if self.seen > FIRST_SAMPLES_DROPPED:
-            self.window.append(seconds_per_request)
-            if len(self.window) >= MIN_SAMPLES:
-                self.value = statistics.median(self.window)
+        if self.seen <= FIRST_SAMPLES_DROPPED:
+            return False
+        self.window.append(seconds_per_request)
+        self.step = step
+        if len(self.window) >= MIN_SAMPLES:
+            self.value = statistics.median(self.window)
+        return True
 
 
 @dataclass(slots=True)
@@ -102,6 +118,38 @@ class Bucket:
     best: Rung | None = None  # the last decision's winner
     last_rerun: int = 0  # decisions made at the loser's last rerun
     interval: int = 0  # decisions between the loser's reruns (0: reexploreEvery)
+    steps: int = 0  # observed so far
+    rival: Rung | None = None  # the speculating rung the last decision weighed plain against
+    # speculating rung -> its step cost / plain's, from samples taken close together
+    ratios: dict[Rung, deque] = field(default_factory=dict)
+
+    def pair(self, measured: Rung) -> None:
+        """``measured`` just counted a sample: each sample of the other side (plain, or
+        the speculating rungs) taken within ``PAIRED_STEPS`` steps forms a cost ratio."""
+        plain = self.costs.get(PLAIN)
+        if plain is None or not plain.window:
+            return
+        spec_rungs = [measured] if measured.speculates else [r for r in self.costs if r.speculates]
+        for rung in spec_rungs:
+            spec = self.costs[rung]
+            if spec.window and abs(spec.step - plain.step) <= PAIRED_STEPS:
+                ratios = self.ratios.setdefault(rung, deque(maxlen=RATIO_WINDOW))
+                ratios.append(spec.window[-1] / plain.window[-1])
+
+    def current_costs(self, rung: Rung) -> tuple[float | None, float | None]:
+        """(``rung``'s, plain's) seconds per request as of the newest measurement: the
+        one measured last as measured, the other scaled from it by their cost ratio
+        (their own medians until a ratio exists)."""
+        spec, plain = self.costs.get(rung), self.costs.get(PLAIN)
+        spec_value = None if spec is None else spec.value
+        plain_value = None if plain is None else plain.value
+        ratios = self.ratios.get(rung)
+        if spec_value is None or plain_value is None or not ratios:
+            return spec_value, plain_value
+        ratio = statistics.median(ratios)
+        if plain.step >= spec.step:
+            return ratio * plain_value, plain_value
+        return spec_value, spec_value / ratio
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -124,15 +172,24 @@ class CostModel:
         self._catch_up = Ema(params.ema_alpha)  # draft seconds per deferred token
         self.explorations = 0
 
-    def seconds_per_request(self, bucket: int, rung: Rung) -> float | None:
-        """A verify step's measured seconds per request; plain's includes the draft's
+    def seconds_per_request(
+        self, bucket: int, rung: Rung, against: Rung | None = None
+    ) -> float | None:
+        """A verify step's seconds per request, as of the bucket's newest measurement
+        (``Bucket.current_costs``; plain's as weighed against the speculating rung
+        ``against``, by default the last decision's); plain's includes the draft's
         catch-up on the tokens it deferred."""
         state = self._buckets.get(bucket)
-        cost = None if state is None else state.costs.get(rung)
-        seconds = None if cost is None else cost.value
-        if seconds is None or rung.speculates:
-            return seconds
-        return seconds + (self._catch_up.value or 0.0)
+        if state is None:
+            return None
+        if rung.speculates:
+            return state.current_costs(rung)[0]
+        against = against or state.rival
+        seconds = None if against is None else state.current_costs(against)[1]
+        if seconds is None:
+            cost = state.costs.get(PLAIN)
+            seconds = None if cost is None else cost.value
+        return None if seconds is None else seconds + (self._catch_up.value or 0.0)
 
     def accepted_drafts(self, rung: Rung) -> float | None:
         if not rung.speculates:
@@ -140,10 +197,13 @@ class CostModel:
         ema = self._accepted.get(rung)
         return None if ema is None else ema.value
 
-    def predicted_tokens_per_second(self, bucket: int, rung: Rung) -> float | None:
-        """Tokens per second per request if a batch of ``bucket`` ran ``rung``; None
-        until both the step's cost and the rung's acceptance are measured."""
-        seconds = self.seconds_per_request(bucket, rung)
+    def predicted_tokens_per_second(
+        self, bucket: int, rung: Rung, against: Rung | None = None
+    ) -> float | None:
+        """Tokens per second per request if a batch of ``bucket`` ran ``rung`` (plain:
+        as weighed against ``against``, see ``seconds_per_request``); None until both
+        the step's cost and the rung's acceptance are measured."""
+        seconds = self.seconds_per_request(bucket, rung, against)
         accepted = self.accepted_drafts(rung)
         if seconds is None or accepted is None:
             return None
@@ -154,13 +214,14 @@ class CostModel:
         whose requests have a mean of ``backlog`` tokens the draft has not read."""
         bucket = batch_bucket(batch_size)
         speculated = self.predicted_tokens_per_second(bucket, rung)
-        plain = self.predicted_tokens_per_second(bucket, PLAIN)
+        plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
         if speculated is None:
             return self._explore(rung)
         if plain is None:
             return self._explore(PLAIN)
         best, loser = (rung, PLAIN) if speculated >= plain else (PLAIN, rung)
         state = self._buckets[bucket]
+        state.rival = rung
         every = self.params.reexplore_every
         if state.best not in (None, best):  # the winner changed: rerun soon again
             state.interval = every
@@ -195,7 +256,9 @@ class CostModel:
         if batch_size <= 0 or not seconds > 0:
             return
         state = self._buckets.setdefault(batch_bucket(batch_size), Bucket())
-        state.costs.setdefault(rung, StepCost()).add(seconds / batch_size)
+        state.steps += 1
+        if state.costs.setdefault(rung, StepCost()).add(seconds / batch_size, state.steps):
+            state.pair(rung)
         self.observe_accepted(rung, accepted)
 
     def observe_accepted(self, rung: Rung, accepted: Sequence[int]) -> None:
