@@ -58,19 +58,38 @@ def test_causal_matches_dense(qo_lens, kv_lens):
         start += ql
 
 
-def test_custom_mask_is_used_as_given():
-    qo_lens, kv_lens = [3, 1], [6, 4]
+@pytest.mark.parametrize(
+    "qo_lens,kv_lens",
+    [
+        pytest.param([5], [9], id="one-request-alone"),
+        pytest.param([3, 1], [6, 4], id="two-padded-into-one-batch"),
+        pytest.param([6, 1, 4, 6, 2], [20, 9, 13, 30, 2], id="ragged-verify-batch"),
+        pytest.param([4, 4, 4], [11, 11, 11], id="equal-shapes"),
+    ],
+)
+def test_custom_mask_is_used_as_given(qo_lens, kv_lens):
+    """Tree masks (random here, each query seeing the first position at least), alone or
+    several requests padded into one batch, against dense attention per request."""
     q, k_buf, v_buf, r2t = make_case(qo_lens, kv_lens, seed=1)
-    masks = [torch.rand(3, 6) > 0.4, torch.rand(1, 4) > 0.4]
+    g = torch.Generator().manual_seed(2)
+    masks = [torch.rand(ql, kl, generator=g) > 0.4 for ql, kl in zip(qo_lens, kv_lens, strict=True)]
     for m in masks:
         m[:, 0] = True
     flat = torch.cat([m.flatten() for m in masks])
-    meta = build_attention_metadata(r2t, [0, 1], qo_lens, kv_lens, custom_mask=flat)
+    rows = list(range(len(qo_lens)))
+    meta = build_attention_metadata(r2t, rows, qo_lens, kv_lens, custom_mask=flat)
     backend = get_backend("torch")
-    out = backend.forward(q, k_buf, v_buf, backend.plan(meta), 0.3)
-    ref0 = dense_attention(q[:3], k_buf[r2t[0, :6]], v_buf[r2t[0, :6]], masks[0], 0.3)
-    ref1 = dense_attention(q[3:], k_buf[r2t[1, :4]], v_buf[r2t[1, :4]], masks[1], 0.3)
-    torch.testing.assert_close(out, torch.cat([ref0, ref1]), atol=1e-5, rtol=1e-5)
+    plan = backend.plan(meta)
+    assert (plan.masked is not None) == (len(qo_lens) > 1)
+    out = backend.forward(q, k_buf, v_buf, plan, 0.3)
+    refs, start = [], 0
+    for i, (ql, kl) in enumerate(zip(qo_lens, kv_lens, strict=True)):
+        slots = r2t[i, :kl]
+        refs.append(
+            dense_attention(q[start : start + ql], k_buf[slots], v_buf[slots], masks[i], 0.3)
+        )
+        start += ql
+    torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
 
 
 def test_backend_resolution_names_the_field():

@@ -1,6 +1,7 @@
 """Pure-torch reference attention over paged KV (runs on CPU and CUDA).
 
-Decode rows share one padded batch; other requests run one by one. Both use
+Decode rows share one padded batch, and so do the requests of a custom-mask batch
+(tree verify, draft trees); prefill chunks run one by one.  All use
 ``scaled_dot_product_attention`` with an explicit boolean mask (causal, or the
 caller's custom tree mask).  Slow but simple: the ground truth for other backends.
 """
@@ -57,6 +58,27 @@ def _decode_slots(
     return slots, (valid[:, None, None, :] if ragged else None)  # SDPA is faster unmasked
 
 
+def _masked_batch(meta: AttentionMetadata, rows: list[int], qo: list[int], kv: list[int]):
+    """The custom-mask requests ``rows`` as one padded batch -> (``[b, max_q]`` flat query
+    index of each padded query, ``[b, max_q]`` True on real ones, ``[b, max_kv]`` pool
+    slots, ``[b, 1, max_q, max_kv]`` mask).  Each request's mask sits in its top-left
+    corner; a padding query sees slot 0 alone (its output is dropped), so no row of the
+    mask is empty."""
+    device = meta.kv_indices.device
+    q_lens = [meta.qo_lens[i] for i in rows]
+    max_q, max_kv = max(q_lens), max(meta.kv_lens[i] for i in rows)
+    offsets = torch.arange(max_q, device=device)
+    q_valid = offsets[None, :] < torch.tensor(q_lens, device=device)[:, None]
+    starts = torch.tensor([qo[i] for i in rows], device=device)
+    q_index = torch.where(q_valid, starts[:, None] + offsets[None, :], starts[:, None])
+    slots, _ = _decode_slots(meta, rows, kv)
+    mask = torch.zeros(len(rows), 1, max_q, max_kv, dtype=torch.bool, device=device)
+    mask[:, 0, :, 0] = ~q_valid
+    for b, i in enumerate(rows):
+        mask[b, 0, : meta.qo_lens[i], : meta.kv_lens[i]] = _request_mask(meta, i, device)
+    return q_index, q_valid, slots, mask
+
+
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """buffer [num_slots, Hkv, D], slots [...] -> [..., Hkv, D].  ``index_select`` copies
     whole rows: 1.6-2x faster than advanced indexing on CPU (measured at 1 x 100 and
@@ -72,11 +94,13 @@ class TorchAttentionPlan:
     decode_slots: torch.Tensor | None  # [b, max_kv] pool slots, 0 where padded
     decode_mask: torch.Tensor | None  # [b, 1, 1, max_kv] True on real KV positions; None: all
     extends: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # (q0, q1, slots, mask)
+    # the custom-mask requests as one padded batch (``_masked_batch``), when two or more
+    masked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode_only(self) -> bool:
         """Every query is a decode request's, in order: no gather or scatter of rows."""
-        return not self.extends and self.decode_q_rows is not None
+        return not self.extends and self.masked is None and self.decode_q_rows is not None
 
 
 @register_backend(
@@ -88,9 +112,10 @@ class TorchAttentionPlan:
     )
 )
 class TorchAttentionBackend:
-    """Decode rows (one query, causal) run as one padded batch; every other request
-    (prefill chunks, tree verify) runs alone with its exact mask, so nothing is padded
-    to the longest prompt."""
+    """Decode rows (one query, causal) run as one padded batch, and so do the requests
+    with a custom mask (a verify's or a draft's trees: a few queries each, so padding
+    them costs less than a call per request); prefill chunks run alone with their
+    causal mask, so nothing is padded to the longest prompt."""
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         device = meta.kv_indices.device
@@ -101,12 +126,15 @@ class TorchAttentionBackend:
         if rows:
             q_rows = torch.tensor([qo[i] for i in rows], device=device)
             slots, mask = _decode_slots(meta, rows, kv)
+        alone = [i for i, d in enumerate(is_decode) if not d]
+        masked = None
+        if meta.custom_mask is not None and len(alone) > 1:
+            masked, alone = _masked_batch(meta, alone, qo, kv), []
         extends = tuple(
             (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
-            for i, d in enumerate(is_decode)
-            if not d
+            for i in alone
         )
-        return TorchAttentionPlan(q_rows, slots, mask, extends)
+        return TorchAttentionPlan(q_rows, slots, mask, extends, masked)
 
     def forward(self, q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V from the pool through ``plan``."""
@@ -116,6 +144,12 @@ class TorchAttentionBackend:
         if plan.decode_q_rows is not None:
             rows = plan.decode_q_rows
             out[rows] = self._decode(q[rows], k_buffer, v_buffer, plan, scale)
+        if plan.masked is not None:
+            q_index, q_valid, slots, mask = plan.masked
+            k = _gather(k_buffer, slots).transpose(1, 2)  # [b, Hkv, max_kv, D]
+            v = _gather(v_buffer, slots).transpose(1, 2)
+            qb = q[q_index].transpose(1, 2)  # [b, H, max_q, D]
+            out[q_index[q_valid]] = _attend(qb, k, v, mask, scale).transpose(1, 2)[q_valid]
         for q0, q1, slots, mask in plan.extends:
             k = _gather(k_buffer, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
             v = _gather(v_buffer, slots).transpose(0, 1)[None]
