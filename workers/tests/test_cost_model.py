@@ -32,9 +32,11 @@ from specd.workers.speculative.cost_model import (
     COST_WINDOW,
     MIN_SAMPLES,
     SHORT_BACKLOG,
+    SWITCH_MARGIN,
     CostModel,
     StepCost,
     batch_bucket,
+    winner_and_loser,
 )
 from specd.workers.speculative.decoder import DraftState
 from specd.workers.speculative.deferred_extend import CATCH_UP_AT
@@ -149,6 +151,25 @@ def test_reexplores_the_loser_backing_off_and_follows_a_changed_cost():
     assert model.status()["buckets"][0]["best_steps"] == 3
     plain_reruns = [i for i in range(later[0] + 1, 201) if i not in later]
     assert plain_reruns[2:4] == [later[0] + 4, later[0] + 12]  # the backoff starts over
+
+
+@pytest.mark.parametrize(
+    "last,lead,winner",
+    [
+        (None, 1.01, CHAIN),  # a first decision takes the faster
+        (None, 0.99, PLAIN),
+        (PLAIN, 1.03, PLAIN),  # near a tie the last winner stays
+        (PLAIN, 1.08, CHAIN),
+        (CHAIN, 1 / 1.03, CHAIN),
+        (CHAIN, 1 / 1.08, PLAIN),
+        (Rung(5, 1, 6), 1.01, CHAIN),  # another rung won last: no margin
+    ],
+)
+def test_a_switch_needs_a_lead_of_the_switch_margin(last, lead, winner):
+    """Speculation predicting ``lead`` x plain's tokens per second."""
+    assert 0.03 < SWITCH_MARGIN < 0.08
+    best, loser = winner_and_loser(CHAIN, 100.0 * lead, 100.0, last)
+    assert (best, loser) == (winner, PLAIN if winner == CHAIN else CHAIN)
 
 
 def test_a_slowdown_both_rungs_share_does_not_flip_the_decision():

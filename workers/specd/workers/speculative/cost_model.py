@@ -64,6 +64,7 @@ SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun
 # request) must not weigh as much as a full batch
 ACCEPTANCE_BATCH = 8
 MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
+SWITCH_MARGIN = 0.05  # the lead that turns a bucket's decision from its last winner
 PAIRED_STEPS = COST_WINDOW  # a bucket's steps within which two rungs' samples form a ratio
 RATIO_WINDOW = 5  # the newest cost ratios whose median is a rung's ratio to plain
 
@@ -152,6 +153,22 @@ class Bucket:
         return spec_value, spec_value / ratio
 
 
+def winner_and_loser(
+    rung: Rung, speculated: float, plain: float, last: Rung | None
+) -> tuple[Rung, Rung]:
+    """The decision between ``rung`` and plain from their predicted tokens per second:
+    the faster, except that the last decision's winner (``last``) stays unless the
+    other is ``SWITCH_MARGIN`` ahead.  A switch is not free (speculating again makes the
+    draft read the plain steps' backlog first; a verify leaves the batch's requests at
+    different lengths), and near a tie either choice makes about as many tokens."""
+    margin = {rung: 1.0, PLAIN: 1.0}
+    if last in margin:
+        margin[PLAIN if last == rung else rung] = 1.0 + SWITCH_MARGIN
+    if speculated >= plain * margin[rung] / margin[PLAIN]:
+        return rung, PLAIN
+    return PLAIN, rung
+
+
 def batch_bucket(batch_size: int) -> int:
     """The largest batch size of ``batch_size``'s bucket: each size up to 8, then four
     buckets per doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so the sizes sharing a
@@ -219,8 +236,8 @@ class CostModel:
             return self._explore(rung)
         if plain is None:
             return self._explore(PLAIN)
-        best, loser = (rung, PLAIN) if speculated >= plain else (PLAIN, rung)
         state = self._buckets[bucket]
+        best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
         every = self.params.reexplore_every
         if state.best not in (None, best):  # the winner changed: rerun soon again
