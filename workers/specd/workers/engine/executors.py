@@ -200,7 +200,7 @@ class SpeculativeExecutor(StepExecutor):
             return None
         rung, plain_reason = self.policy.choose(len(drafting), self._mean_backlog(drafting))
         if plain_reason in DEFERRING:
-            batch = self.scheduler.schedule_plain_decodes()
+            batch = self.scheduler.schedule_plain_decodes(drafting)
             if batch is not None:
                 return dataclasses.replace(
                     batch, rung=PLAIN, plain_reason=plain_reason, scheduled_at=start
@@ -361,7 +361,7 @@ class SpeculativeExecutor(StepExecutor):
         """Feed a batch of plain decodes the policy chose to the cost model, as the
         plain rung: its whole step's seconds, less a catch-up (charged apart)."""
         self.metrics.observe_rung(batch.plain_reason)
-        seconds = time.perf_counter() - batch.scheduled_at - out.catch_up_seconds
+        seconds = self._step_seconds(batch, out)
         self.policy.observe(PLAIN, batch.plain_reason, (), seconds, len(batch.reqs))
         self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
         self._observe_shadows_and_cost(PLAIN, len(batch.reqs), out.shadow_accepted)
@@ -384,11 +384,12 @@ class SpeculativeExecutor(StepExecutor):
             )
         self.metrics.spec_adaptive_steps.set(self.policy.active.steps)
 
-    def _step_seconds(self, batch: ScheduledBatch, out: SpecStepOut) -> float:
-        """What the verify cost the engine, for the cost model: without overlap, the
+    def _step_seconds(self, batch: ScheduledBatch, out: SpecStepOut | PlainBatchOut) -> float:
+        """What the step cost the engine, for the cost model: without overlap, the
         whole step (scheduling, compute and processing: host work grows with the tokens
-        a step appends); under overlap the host hides behind compute, so compute alone.
-        A catch-up of deferred draft extends is left out (charged to plain steps)."""
+        a step appends); under overlap (verifies only: ``_decodes_plain_batches``) the
+        host hides behind compute, so compute alone.  A catch-up of deferred draft
+        extends is left out (charged to plain steps)."""
         if self.overlap:
             return out.seconds
         return time.perf_counter() - batch.scheduled_at - out.catch_up_seconds

@@ -213,10 +213,10 @@ class Scheduler:
             if r.status is RequestStatus.RUNNING and self.kv.grow(r.kv, r.kv.committed + 1)
         ]
 
-    def schedule_plain_decodes(self) -> ScheduledBatch | None:
-        """A batch the policy runs plain: each drafting request decodes its root."""
+    def schedule_plain_decodes(self, drafting: list[Req]) -> ScheduledBatch | None:
+        """A batch the policy runs plain: each ``drafting`` request decodes its root."""
         with self.kv.batched_writes():
-            decodes = self._plain_decodes(drafting := [r for r in self.running if r.spec_ready])
+            decodes = self._plain_decodes(drafting)
         full = decodes and len(decodes) == len(drafting)  # else a verify, which may retract
         return launched(decodes, plain_decodes=(True,) * len(decodes)) if full else None
 

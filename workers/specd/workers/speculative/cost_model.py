@@ -161,12 +161,14 @@ def winner_and_loser(
     other is ``SWITCH_MARGIN`` ahead.  A switch is not free (speculating again makes the
     draft read the plain steps' backlog first; a verify leaves the batch's requests at
     different lengths), and near a tie either choice makes about as many tokens."""
-    margin = {rung: 1.0, PLAIN: 1.0}
-    if last in margin:
-        margin[PLAIN if last == rung else rung] = 1.0 + SWITCH_MARGIN
-    if speculated >= plain * margin[rung] / margin[PLAIN]:
-        return rung, PLAIN
-    return PLAIN, rung
+    lead = 1.0 + SWITCH_MARGIN
+    if last == PLAIN:
+        speculates = speculated >= plain * lead
+    elif last == rung:
+        speculates = speculated * lead >= plain
+    else:
+        speculates = speculated >= plain
+    return (rung, PLAIN) if speculates else (PLAIN, rung)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -202,8 +204,9 @@ class CostModel:
         if rung.speculates:
             return state.current_costs(rung)[0]
         against = against or state.rival
-        seconds = None if against is None else state.current_costs(against)[1]
-        if seconds is None:
+        if against is not None:
+            seconds = state.current_costs(against)[1]
+        else:
             cost = state.costs.get(PLAIN)
             seconds = None if cost is None else cost.value
         return None if seconds is None else seconds + (self._catch_up.value or 0.0)
