@@ -36,6 +36,7 @@ from specd.workers.speculative.cost_model import (
     CostModel,
     StepCost,
     batch_bucket,
+    tokens_per_verify,
     winner_and_loser,
 )
 from specd.workers.speculative.decoder import DraftState
@@ -198,6 +199,43 @@ def test_a_slowdown_both_rungs_share_does_not_flip_the_decision():
     assert model.predicted_tokens_per_second(32, CHAIN) == pytest.approx(3.9 / spec)
 
 
+def test_a_verify_gains_no_more_than_the_tokens_left():
+    assert tokens_per_verify(3.0) == 4.0  # accepted drafts and the bonus
+    assert tokens_per_verify(3.0, [10, 10]) == 4.0
+    assert tokens_per_verify(3.0, [1, 2, 10]) == pytest.approx((1 + 2 + 4) / 3)
+    assert tokens_per_verify(0.0, [1, 5]) == 1.0  # plain
+    assert tokens_per_verify(3.0, [0]) == 1.0  # a step makes at least its one token
+
+
+@pytest.mark.parametrize(
+    "tokens_left,speculates",
+    [
+        ((), True),  # not known: uncapped
+        ((50,) * 4, True),
+        ((3,) * 4, True),  # 3 tokens for 2x plain's cost: 1.5x plain
+        ((2,) * 4, True),  # a tie is not a reason to leave the bucket's decision
+        ((1,) * 4, False),  # one token for 2x plain's cost
+        ((1, 1, 1, 10), False),  # (1 + 1 + 1 + 4) / 4 tokens: 0.875x plain
+    ],
+)
+def test_requests_near_their_ends_run_plain(tokens_left, speculates):
+    """Speculation costs 2x plain per request and accepts 3 drafts: 2x plain's tokens
+    per second, unless the requests end first.  A batch sent to plain by its ends
+    leaves the bucket's decisions as they were."""
+    model = CostModel(CostModelSpec())
+
+    def costs(size, rung):
+        return size * (0.020 if rung.speculates else 0.010)
+
+    for _ in range(7):  # explorations, then a decision: speculation wins
+        drive(model, 4, costs, accepted=3.0)
+    before = model.status()
+    assert before["buckets"][0]["best_steps"] == CHAIN.steps
+    assert model.choose(4, CHAIN, 0.0, tokens_left).speculates == speculates
+    if not speculates:
+        assert model.status() == before
+
+
 def test_policy_cost_model_and_its_override():
     def policy_for(**policy):
         spec = spec_for_model(
@@ -307,6 +345,36 @@ def test_a_draft_that_predicts_every_token_keeps_speculating():
     assert bucket.best_steps == 7, status.cost_model
     # plain ran only to be measured: warm-up + MIN_SAMPLES, and the reruns
     assert status.plain_steps.cost <= 1 + MIN_SAMPLES + bucket.decisions // 64
+
+
+def test_a_request_at_its_last_token_decodes_plainly():
+    """NGRAM on output that repeats itself wins by 4-6x (above), but a request with one
+    token left gains one token from a verify, for more than a plain step costs: it
+    decodes plainly, and the bucket's decisions stay as they were."""
+    engine = start_engine(
+        DEMO_TARGET,
+        kvCache={"pageSize": 1, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16},
+        draft={"algorithm": "NGRAM"},
+        speculative={"numSteps": 7, "numDraftTokens": 8, "policy": {}},
+        debug={"strictMemCheck": 1},
+    )
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    try:
+        [(long, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
+        before = engine.status().adaptive
+        verifies = metric_value(engine, "specd_spec_verify_steps_total")
+        [(short, _, _)] = run_all(engine, [prompt], max_tokens=2, ignore_eos=True)
+        after = engine.status().adaptive
+        assert metric_value(engine, "specd_spec_verify_steps_total") == verifies
+    finally:
+        engine.shutdown()
+    assert short == long[:2]
+    [bucket] = before.cost_model.buckets
+    assert bucket.best_steps == 7, before.cost_model
+    assert after.plain_steps.cost == before.plain_steps.cost + 1
+    assert after.cost_model.buckets[0].decisions == bucket.decisions
 
 
 def test_a_draft_that_predicts_the_text_is_measured_and_followed():

@@ -198,7 +198,7 @@ class SpeculativeExecutor(StepExecutor):
         drafting = [r for r in self.scheduler.running if r.spec_ready]
         if not drafting:
             return None
-        rung, plain_reason = self.policy.choose(len(drafting), self._mean_backlog(drafting))
+        rung, plain_reason = self._choose(drafting)
         if plain_reason in DEFERRING:
             batch = self.scheduler.schedule_plain_decodes(drafting)
             if batch is not None:
@@ -279,7 +279,7 @@ class SpeculativeExecutor(StepExecutor):
         if batch is None or not batch.verify:
             return batch
         if chosen is None:
-            chosen = self.policy.choose(len(batch.reqs), self._mean_backlog(batch.reqs))
+            chosen = self._choose(batch.reqs)
         rung, plain_reason = chosen
         return dataclasses.replace(
             batch,
@@ -289,8 +289,12 @@ class SpeculativeExecutor(StepExecutor):
             extend_lens=tuple(rung.draft_tokens for _ in batch.reqs),
         )
 
-    def _mean_backlog(self, reqs: Sequence[Req]) -> float:
-        return sum(self._backlogs.get(r.rid, 0) for r in reqs) / len(reqs)
+    def _choose(self, reqs: Sequence[Req]) -> tuple[Rung, PlainReason | None]:
+        """The policy's rung for a verify of ``reqs``: their mean backlog and the tokens
+        each may still produce weigh in (``SpecPolicy.choose``)."""
+        backlog = sum(self._backlogs.get(r.rid, 0) for r in reqs) / len(reqs)
+        tokens_left = [r.params.max_tokens - len(r.output_ids) for r in reqs]
+        return self.policy.choose(len(reqs), backlog, tokens_left)
 
     def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput | PlainBatchOut:
         """Compute side of a prefill/decode batch, then the draft over the same positions."""

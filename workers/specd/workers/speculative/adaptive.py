@@ -120,10 +120,13 @@ class SpecPolicy:
     def active(self) -> Rung:
         return self.controller.rung if self.controller is not None else self.fixed
 
-    def choose(self, batch_size: int, backlog: float = 0.0) -> tuple[Rung, PlainReason | None]:
+    def choose(
+        self, batch_size: int, backlog: float = 0.0, tokens_left: Sequence[int] = ()
+    ) -> tuple[Rung, PlainReason | None]:
         """-> (the rung a verify batch of ``batch_size`` requests runs, why it is plain;
         None when it speculates).  ``backlog``: the mean tokens per request the draft has
-        not read (``deferred_extend.py``)."""
+        not read (``deferred_extend.py``); ``tokens_left``: per request, the tokens it
+        may still produce (``cost_model.tokens_per_verify``)."""
         rung = self.active
         if not rung.speculates:
             return rung, PlainReason.RUNG
@@ -131,7 +134,10 @@ class SpecPolicy:
         if limit is not None and batch_size > limit:
             return PLAIN, PlainReason.LOAD
         model = self.cost_model
-        if model is not None and not model.choose(batch_size, rung, backlog).speculates:
+        if (
+            model is not None
+            and not model.choose(batch_size, rung, backlog, tokens_left).speculates
+        ):
             return PLAIN, PlainReason.COST
         return rung, None
 

@@ -17,8 +17,14 @@ Plain Python, no torch.  The engine feeds it the compute seconds of every verify
 
 A candidate's predicted throughput is::
 
-    tokens/s per request = (1 + accepted drafts) / seconds per request
+    tokens/s per request = min(1 + accepted drafts, tokens left) / seconds per request
     plain:                 1 / (seconds per request + catch-up seconds per token)
+
+where a request's tokens left are its ``max_tokens`` less its output so far: a verify's
+tokens past them are dropped, so a request one or two tokens from its end gains nothing
+from a deep tree (``tokens_per_verify``, averaged over the batch).  A batch that capped
+gain sends to plain (``near_their_ends``) leaves its bucket's decision state alone: it
+says nothing about the rungs' costs.
 
 and a batch runs the candidate with the higher prediction.  The candidates are the rung
 the ladder offers (the adaptive controller's active rung, or the one configured) and the
@@ -171,6 +177,17 @@ def winner_and_loser(
     return (rung, PLAIN) if speculates else (PLAIN, rung)
 
 
+def tokens_per_verify(accepted: float, tokens_left: Sequence[int] = ()) -> float:
+    """The tokens a step adds per request: ``accepted`` drafts and the bonus (plain: 0
+    and 1), but no more than each request may still produce (``tokens_left``: its
+    ``max_tokens`` less its output; a verify's tokens past that are dropped), averaged
+    over the batch; uncapped when ``tokens_left`` is empty."""
+    whole = 1.0 + accepted
+    if not tokens_left:
+        return whole
+    return sum(min(whole, max(left, 1)) for left in tokens_left) / len(tokens_left)
+
+
 def batch_bucket(batch_size: int) -> int:
     """The largest batch size of ``batch_size``'s bucket: each size up to 8, then four
     buckets per doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so the sizes sharing a
@@ -218,20 +235,28 @@ class CostModel:
         return None if ema is None else ema.value
 
     def predicted_tokens_per_second(
-        self, bucket: int, rung: Rung, against: Rung | None = None
+        self,
+        bucket: int,
+        rung: Rung,
+        against: Rung | None = None,
+        tokens_left: Sequence[int] = (),
     ) -> float | None:
         """Tokens per second per request if a batch of ``bucket`` ran ``rung`` (plain:
-        as weighed against ``against``, see ``seconds_per_request``); None until both
+        as weighed against ``against``, see ``seconds_per_request``), for requests with
+        ``tokens_left`` (``tokens_per_verify``; none given: uncapped); None until both
         the step's cost and the rung's acceptance are measured."""
         seconds = self.seconds_per_request(bucket, rung, against)
         accepted = self.accepted_drafts(rung)
         if seconds is None or accepted is None:
             return None
-        return (1.0 + accepted) / seconds
+        return tokens_per_verify(accepted, tokens_left) / seconds
 
-    def choose(self, batch_size: int, rung: Rung, backlog: float = 0.0) -> Rung:
+    def choose(
+        self, batch_size: int, rung: Rung, backlog: float = 0.0, tokens_left: Sequence[int] = ()
+    ) -> Rung:
         """``rung`` (a speculating one) or ``PLAIN`` for a verify batch of ``batch_size``
-        whose requests have a mean of ``backlog`` tokens the draft has not read."""
+        whose requests have a mean of ``backlog`` tokens the draft has not read and may
+        each produce ``tokens_left`` more (empty: not known)."""
         bucket = batch_bucket(batch_size)
         speculated = self.predicted_tokens_per_second(bucket, rung)
         plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
@@ -239,6 +264,8 @@ class CostModel:
             return self._explore(rung)
         if plain is None:
             return self._explore(PLAIN)
+        if self.near_their_ends(bucket, rung, plain, tokens_left):
+            return PLAIN  # the bucket's state is left alone: it is not a decision on costs
         state = self._buckets[bucket]
         best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
@@ -252,6 +279,17 @@ class CostModel:
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
             return self._explore(loser)
         return best
+
+    def near_their_ends(
+        self, bucket: int, rung: Rung, plain: float, tokens_left: Sequence[int]
+    ) -> bool:
+        """Whether the batch's requests are so near their ``max_tokens`` that ``rung``,
+        its gain per request capped by the tokens each may still produce
+        (``tokens_per_verify``), makes fewer tokens per second than plain's ``plain``."""
+        if not tokens_left:
+            return False
+        capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left)
+        return capped is not None and capped < plain
 
     def rerun_loser(self, state: Bucket, loser: Rung, backlog: float) -> bool:
         """Whether the loser runs once more: ``reexploreEvery`` decisions after the
