@@ -89,13 +89,33 @@ def test_explores_each_candidate_then_runs_the_faster():
     def costs(size, rung):
         return size * (0.030 if rung.speculates else 0.010)  # spec 3x the cost of plain
 
-    runs = [drive(model, 1, costs, accepted=1.0) for _ in range(8)]
+    runs = [drive(model, 8, costs, accepted=1.0) for _ in range(8)]
     assert runs == [CHAIN] * 3 + [PLAIN] * 5  # warm-up + 2 samples each; 2/0.03 < 1/0.01
     assert model.explorations == 6
-    assert model.predicted_tokens_per_second(1, CHAIN) == pytest.approx(2 / 0.030)
-    assert model.predicted_tokens_per_second(1, PLAIN) == pytest.approx(1 / 0.010)
+    assert model.predicted_tokens_per_second(8, CHAIN) == pytest.approx(2 / 0.030)
+    assert model.predicted_tokens_per_second(8, PLAIN) == pytest.approx(1 / 0.010)
     bucket = model.status()["buckets"][0]
-    assert bucket["max_batch"] == 1 and bucket["best_steps"] == 0 and bucket["decisions"] == 2
+    assert bucket["max_batch"] == 8 and bucket["best_steps"] == 0 and bucket["decisions"] == 2
+
+
+def test_at_batch_1_acceptance_is_measured_over_a_batch_worth_of_verifies():
+    """The demo pair's tree at batch 1: a verify accepts 1 to 4 drafts.  Three unlucky
+    first verifies (1, 1, 3: 2.7 tokens per 17 ms) would have sent speculation to plain
+    (1 per 5.5 ms) for the next 64 decisions; it explores until 8 requests' verifies
+    are in (mean 2.75: 3.75 tokens per 17 ms), and wins."""
+    model = CostModel(CostModelSpec())
+    tree = Rung(5, 2, 8)
+    accepted = iter([1, 1, 3, 4, 4, 2, 3, 4])
+    runs = []
+    for _ in range(14):
+        chosen = model.choose(1, tree)
+        runs.append(chosen)
+        model.observe(1, chosen, 0.017 if chosen.speculates else 0.0055, [next(accepted, 3)])
+    assert runs[:8] == [tree] * 8  # exploring: the cost is known after 3, acceptance after 8
+    assert runs[8:11] == [PLAIN] * 3
+    assert runs[11:] == [tree] * 3
+    assert model.accepted_drafts(tree) == pytest.approx((22 + 3 * 3) / 11)  # a plain mean so far
+    assert (1 + (1 + 1 + 3) / 3) / 0.017 < 1 / 0.0055  # what the first three said
 
 
 def test_a_batch_growing_from_1_to_32_switches_where_the_costs_say():
@@ -122,7 +142,7 @@ def test_a_batch_growing_from_1_to_32_switches_where_the_costs_say():
 
 def spec_runs(model, costs, n, backlog=0.0) -> list[int]:
     """The decisions (1-based) among the next ``n`` that ran the speculating rung."""
-    runs = [drive(model, 1, costs, accepted=2.0, backlog=backlog) for _ in range(n)]
+    runs = [drive(model, 8, costs, accepted=2.0, backlog=backlog) for _ in range(n)]
     return [i + 1 for i, r in enumerate(runs) if r.speculates]
 
 
@@ -138,7 +158,7 @@ def test_reexplores_the_loser_backing_off_and_follows_a_changed_cost():
         return spec_cost[0] if rung.speculates else 0.010
 
     for _ in range(6):  # explorations
-        drive(model, 1, costs, accepted=2.0)
+        drive(model, 8, costs, accepted=2.0)
     assert spec_runs(model, costs, 30, backlog=SHORT_BACKLOG) == [4, 12, 28]  # 4, 8, 16
     # interval now 32: with long backlogs, 2 x 32 decisions after the rerun at 28 (of 30)
     assert spec_runs(model, costs, 70, backlog=SHORT_BACKLOG + 1) == [64 - 2]
@@ -246,10 +266,10 @@ def test_policy_cost_model_and_its_override():
     policy, speculative = policy_for()
     assert policy.cost_model is not None  # on by default
     assert PLAIN in spec_graph_rungs(speculative)
-    assert policy.choose(1) == (CHAIN, None)  # exploring
+    assert policy.choose(8) == (CHAIN, None)  # exploring
     for _ in range(3):
-        policy.observe(CHAIN, None, [0], 0.030, 1)
-    assert policy.choose(1) == (PLAIN, PlainReason.COST)  # exploring plain
+        policy.observe(CHAIN, None, [0] * 8, 0.240, 8)
+    assert policy.choose(8) == (PLAIN, PlainReason.COST)  # exploring plain
     assert policy.status()["cost_model"]["explorations"] == 2
     policy, speculative = policy_for(maxBatchForSpec=4)  # a hand-set threshold overrides
     assert policy.cost_model is None and policy.status()["cost_model"] is None
@@ -512,11 +532,11 @@ def test_the_draft_catch_up_is_charged_to_plain():
         return size * (0.030 if rung.speculates else 0.012)  # 2/0.030 < 1/0.012
 
     for _ in range(8):
-        drive(model, 1, costs, accepted=1.0)
+        drive(model, 8, costs, accepted=1.0)
     assert model.status()["buckets"][0]["best_steps"] == 0
     model.observe_catch_up(seconds=64 * 0.004, tokens=64)  # 4 ms per deferred token
-    assert model.seconds_per_request(1, PLAIN) == pytest.approx(0.016)
-    assert drive(model, 1, costs, accepted=1.0) == CHAIN  # 2/0.030 > 1/0.016
+    assert model.seconds_per_request(8, PLAIN) == pytest.approx(0.016)
+    assert drive(model, 8, costs, accepted=1.0) == CHAIN  # 2/0.030 > 1/0.016
 
 
 def test_nonsense_timings_are_ignored():

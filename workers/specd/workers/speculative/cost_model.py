@@ -33,7 +33,9 @@ plain rung.  Worked example (illustrative numbers), batch 8: a chain of 3 steps 
 tokens/s: plain wins.  At batch 1 the chain costs 30 ms and plain 15 ms: 73 against 67.
 
 A candidate the bucket has not measured runs first (an exploration): the speculating
-rung, then plain, until each has ``MIN_SAMPLES`` step times.  A rung's first step in a
+rung, then plain, until each has ``MIN_SAMPLES`` step times, and the speculating rung
+until its acceptance has the weight of ``ACCEPTANCE_BATCH`` requests (at batch 1, eight
+verifies: ``acceptance_known``).  A rung's first step in a
 bucket is dropped: it may pay one-time costs (a kernel compile, a first plan).  The loser
 runs once more now and then (``rerun_loser``: after ``reexploreEvery`` decisions, backing
 off while it keeps losing), so a cost or an acceptance that changed (another workload, a
@@ -177,6 +179,15 @@ def winner_and_loser(
     return (rung, PLAIN) if speculates else (PLAIN, rung)
 
 
+def acceptance_known(ema: Ema | None) -> bool:
+    """Whether an acceptance estimate has the weight of one full verify batch
+    (``ACCEPTANCE_BATCH`` requests).  At batch 1 one verify's accepted drafts range over
+    the whole tree (1 to 4 of 5 on the demo pair), and a first decision on two or three
+    of them sent speculation that wins by 1.3x to plain for a whole 64-token request (a
+    speculating loser reruns only after ``reexploreEvery`` decisions)."""
+    return ema is not None and ema.weight >= 1.0
+
+
 def tokens_per_verify(accepted: float, tokens_left: Sequence[int] = ()) -> float:
     """The tokens a step adds per request: ``accepted`` drafts and the bonus (plain: 0
     and 1), but no more than each request may still produce (``tokens_left``: its
@@ -229,10 +240,12 @@ class CostModel:
         return None if seconds is None else seconds + (self._catch_up.value or 0.0)
 
     def accepted_drafts(self, rung: Rung) -> float | None:
+        """The rung's accepted drafts per request; None until ``ACCEPTANCE_BATCH``
+        requests' worth of verifies measured it (``acceptance_known``)."""
         if not rung.speculates:
             return 0.0
         ema = self._accepted.get(rung)
-        return None if ema is None else ema.value
+        return ema.value if acceptance_known(ema) else None
 
     def predicted_tokens_per_second(
         self,
