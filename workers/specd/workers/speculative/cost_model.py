@@ -22,9 +22,9 @@ A candidate's predicted throughput is::
 
 where a request's tokens left are its ``max_tokens`` less its output so far: a verify's
 tokens past them are dropped, so a request one or two tokens from its end gains nothing
-from a deep tree (``tokens_per_verify``, averaged over the batch).  A batch that capped
-gain sends to plain (``near_their_ends``) leaves its bucket's decision state alone: it
-says nothing about the rungs' costs.
+from a deep tree (``tokens_per_verify``, averaged over the batch).  The bucket decides
+on the uncapped predictions (its winner, margin and reruns are about the rungs' costs);
+a batch whose capped gain then falls below plain's runs plain alone (``near_their_ends``).
 
 and a batch runs the candidate with the higher prediction.  The candidates are the rung
 the ladder offers (the adaptive controller's active rung, or the one configured) and the
@@ -102,6 +102,7 @@ class StepCost:
 
     seen: int = 0
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    at: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # their bucket steps
     value: float | None = None
     step: int = 0  # the bucket's step count at the newest counted sample (``window[-1]``)
 
@@ -112,10 +113,20 @@ class StepCost:
         if self.seen <= FIRST_SAMPLES_DROPPED:
             return False
         self.window.append(seconds_per_request)
+        self.at.append(step)
         self.step = step
         if len(self.window) >= MIN_SAMPLES:
             self.value = statistics.median(self.window)
         return True
+
+    def recent(self) -> float:
+        """The median of the samples taken within ``PAIRED_STEPS`` bucket steps of the
+        newest: the cost now, where one slow step (a page fault, a neighbour's burst)
+        does not decide alone."""
+        newest = self.step - PAIRED_STEPS
+        return statistics.median(
+            [s for s, at in zip(self.window, self.at, strict=True) if at >= newest]
+        )
 
 
 @dataclass(slots=True)
@@ -133,8 +144,9 @@ class Bucket:
     ratios: dict[Rung, deque] = field(default_factory=dict)
 
     def pair(self, measured: Rung) -> None:
-        """``measured`` just counted a sample: each sample of the other side (plain, or
-        the speculating rungs) taken within ``PAIRED_STEPS`` steps forms a cost ratio."""
+        """``measured`` just counted a sample: with each other side (plain, or the
+        speculating rungs) whose newest sample is within ``PAIRED_STEPS`` steps, it forms
+        a cost ratio of their recent medians (``StepCost.recent``)."""
         plain = self.costs.get(PLAIN)
         if plain is None or not plain.window:
             return
@@ -143,7 +155,7 @@ class Bucket:
             spec = self.costs[rung]
             if spec.window and abs(spec.step - plain.step) <= PAIRED_STEPS:
                 ratios = self.ratios.setdefault(rung, deque(maxlen=RATIO_WINDOW))
-                ratios.append(spec.window[-1] / plain.window[-1])
+                ratios.append(spec.recent() / plain.recent())
 
     def current_costs(self, rung: Rung) -> tuple[float | None, float | None]:
         """(``rung``'s, plain's) seconds per request as of the newest measurement: the
@@ -277,8 +289,6 @@ class CostModel:
             return self._explore(rung)
         if plain is None:
             return self._explore(PLAIN)
-        if self.near_their_ends(bucket, rung, plain, tokens_left):
-            return PLAIN  # the bucket's state is left alone: it is not a decision on costs
         state = self._buckets[bucket]
         best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
@@ -291,14 +301,17 @@ class CostModel:
             state.last_rerun = state.decisions
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
             return self._explore(loser)
+        if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left):
+            return PLAIN  # this batch only: its requests end before the winner pays
         return best
 
     def near_their_ends(
         self, bucket: int, rung: Rung, plain: float, tokens_left: Sequence[int]
     ) -> bool:
-        """Whether the batch's requests are so near their ``max_tokens`` that ``rung``,
-        its gain per request capped by the tokens each may still produce
-        (``tokens_per_verify``), makes fewer tokens per second than plain's ``plain``."""
+        """Whether the batch's requests are so near their ``max_tokens`` that ``rung``
+        (the bucket's winner), its gain per request capped by the tokens each may still
+        produce (``tokens_per_verify``), makes fewer tokens per second than plain's
+        ``plain``."""
         if not tokens_left:
             return False
         capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left)
