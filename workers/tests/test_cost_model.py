@@ -216,6 +216,34 @@ def test_one_slow_step_at_the_end_of_an_exploration_does_not_decide():
     assert max(ratio) < 3.5
 
 
+def test_a_draft_free_batch_is_predicted_from_its_requests_own_acceptance():
+    """NGRAM's acceptance is each request's: 8 requests whose verifies accepted nothing
+    run plain where new ones (the rung's estimate) speculate; a shadow walk on a plain
+    step moves a request's own estimate too; a draft model's rung keeps one estimate."""
+    own_model = CostModel(CostModelSpec(), per_request=True)
+    shared_model = CostModel(CostModelSpec())
+    old, new = [f"old-{i}" for i in range(8)], [f"new-{i}" for i in range(8)]
+
+    def costs(size, rung):
+        return size * (0.020 if rung.speculates else 0.010)
+
+    for model in (own_model, shared_model):
+        for _ in range(6):  # explorations
+            drive(model, 8, costs, accepted=3.0)
+        model.observe(8, CHAIN, costs(8, CHAIN), [0] * 8, old)
+        assert model.accepted_drafts(CHAIN) == pytest.approx(2.25)  # a mean of 4 batches
+    assert own_model.own_accepted(old[:2] + new[:1], CHAIN) == [0.0, 0.0, None]
+    assert own_model.choose(8, CHAIN, rids=old) == PLAIN  # 1 token for 2x plain's cost
+    assert shared_model.choose(8, CHAIN, rids=old) == CHAIN
+    assert own_model.choose(8, CHAIN, rids=new) == CHAIN  # the rung's: 3.25 tokens for 2x
+    own_model.observe_accepted(CHAIN, [6] * 8, old)  # their shadow walks: 6 drafts each
+    assert own_model.own_accepted(old[:1], CHAIN) == [3.0]  # half way (OWN_ALPHA)
+    assert own_model.choose(8, CHAIN, rids=old) == CHAIN
+    own_model.forget(old[0])
+    assert own_model.own_accepted(old[:2], CHAIN) == [None, 3.0]
+    assert own_model.own_accepted(old[:1], Rung(5, 1, 6)) == [None]  # measured at another rung
+
+
 def test_a_slowdown_both_rungs_share_does_not_flip_the_decision():
     """Steps slow down as contexts grow.  Plain, the winner, is measured every step and
     speculation only at its exploration: compared as measured, speculation's stale cost
@@ -367,11 +395,28 @@ def test_a_draft_that_never_matches_runs_plain_after_warmup(pair, overlap):
     assert 0 < drafted <= 3 * 4 * model.explorations
 
 
+def hash_line_prompt() -> list[int]:
+    """A prompt the shipped target continues with '#' lines, over and over."""
+    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
+    return tok.encode("# " + "-" * 60 + "\n").ids
+
+
+def ngram_engine():
+    """The shipped target with NGRAM drafting, 7 steps, the default policy."""
+    return start_engine(
+        DEMO_TARGET,
+        kvCache={"pageSize": 1, "maxTokens": 4096},
+        scheduler={"chunkedPrefillSize": 16},
+        draft={"algorithm": "NGRAM"},
+        speculative={"numSteps": 7, "numDraftTokens": 8, "policy": {}},
+        debug={"strictMemCheck": 1},
+    )
+
+
 def run_hash_lines(engine):
     """96 tokens of a prompt the shipped target continues with '#' lines, over and over,
     equal to transformers' -> the engine's adaptive status (the engine shut down)."""
-    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    prompt = hash_line_prompt()
     try:
         [(tokens, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
         status = engine.status().adaptive
@@ -386,14 +431,7 @@ def test_a_draft_that_predicts_every_token_keeps_speculating():
     draft accepted) at no draft cost: 8 tokens per verify for the price of a little
     more than one plain step, a margin (4-6x here, also on loaded cores) that no timing
     noise flips. Plain runs only to be measured."""
-    engine = start_engine(
-        DEMO_TARGET,
-        kvCache={"pageSize": 1, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 16},
-        draft={"algorithm": "NGRAM"},
-        speculative={"numSteps": 7, "numDraftTokens": 8, "policy": {}},
-        debug={"strictMemCheck": 1},
-    )
+    engine = ngram_engine()
     status = run_hash_lines(engine)
     [bucket] = status.cost_model.buckets
     [accepted] = status.cost_model.accepted_drafts
@@ -407,16 +445,8 @@ def test_a_request_at_its_last_token_decodes_plainly():
     """NGRAM on output that repeats itself wins by 4-6x (above), but a request with one
     token left gains one token from a verify, for more than a plain step costs: it
     decodes plainly, and speculation stays the bucket's winner."""
-    engine = start_engine(
-        DEMO_TARGET,
-        kvCache={"pageSize": 1, "maxTokens": 4096},
-        scheduler={"chunkedPrefillSize": 16},
-        draft={"algorithm": "NGRAM"},
-        speculative={"numSteps": 7, "numDraftTokens": 8, "policy": {}},
-        debug={"strictMemCheck": 1},
-    )
-    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    engine = ngram_engine()
+    prompt = hash_line_prompt()
     try:
         [(long, _, _)] = run_all(engine, [prompt], max_tokens=96, ignore_eos=True)
         before = engine.status().adaptive
@@ -431,6 +461,32 @@ def test_a_request_at_its_last_token_decodes_plainly():
     assert bucket.best_steps == 7, before.cost_model
     assert after.plain_steps.cost == before.plain_steps.cost + 1
     assert after.cost_model.buckets[0].best_steps == 7  # still the bucket's winner
+
+
+def test_ngram_batches_weigh_each_requests_own_acceptance_and_forget_it():
+    """An NGRAM engine: a request whose output repeats itself and one of random tokens
+    share batches; each batch is weighed with each request's own acceptance (the
+    repeating one's high, the other's low), and a finished request's estimate goes."""
+    engine = ngram_engine()
+    prompts = [hash_line_prompt(), random_prompts(1, 300, seed=9)[0]]
+    model = engine.executor.policy.cost_model
+    seen: list[list[float | None]] = []
+    own_accepted = model.own_accepted
+
+    def recorded(rids, rung):
+        seen.append(own_accepted(rids, rung))
+        return seen[-1]
+
+    model.own_accepted = recorded
+    try:
+        outputs = run_all(engine, prompts, max_tokens=64, ignore_eos=True)
+        assert model.requests_tracked == 0
+    finally:
+        engine.shutdown()
+    assert [t for t, _, _ in outputs] == hf_greedy(DEMO_TARGET, prompts, 64)
+    both = [own for own in seen if len(own) == 2 and None not in own]
+    assert both, seen
+    assert sum(r for r, _ in both) > sum(o for _, o in both), both
 
 
 def test_a_draft_that_predicts_the_text_is_measured_and_followed():
@@ -526,8 +582,7 @@ def test_a_caught_up_draft_is_the_step_by_step_draft():
     alone.  Its draft state at every root position equals the one a draft that read each
     token at once had there (the plain rung of a ladder of one), its drafts are accepted
     as usual, and its output is plain decode's."""
-    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    prompt = hash_line_prompt()
     lengths = [CATCH_UP_AT + 16, CATCH_UP_AT + 80]
     fields = dict(kvCache={"pageSize": 4}, draft={"path": DEMO_EAGLE}, debug={"strictMemCheck": 1})
     step_by_step = start_engine(
@@ -709,8 +764,7 @@ def test_a_draft_left_behind_by_prefill_steps_catches_up_to_the_step_by_step_dra
     then prefills in chunks of 16 beside it.  The request's draft state after each verify
     equals the one of a draft that read every token at once (the request alone, on the
     plain rung), its drafts keep being accepted, and its output is plain decode's."""
-    tok = Tokenizer.from_file(str(DEMO_MODELS / "demo-target" / "tokenizer.json"))
-    prompt = tok.encode("# " + "-" * 60 + "\n").ids
+    prompt = hash_line_prompt()
     [other] = demo_prompts(1, 400)
     fields = dict(
         kvCache={"pageSize": 4},

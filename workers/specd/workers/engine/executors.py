@@ -79,7 +79,7 @@ class PlainBatchOut(NamedTuple):
     result: RunnerOutput
     catch_up_seconds: float
     catch_up_tokens: int
-    shadow_accepted: tuple[int, ...]
+    shadow_accepted: tuple[tuple[str, int], ...]  # (rid, accepted drafts) per shadow walk
 
     @property
     def unusable_rows(self) -> tuple[int, ...]:
@@ -294,7 +294,7 @@ class SpeculativeExecutor(StepExecutor):
         each may still produce weigh in (``SpecPolicy.choose``)."""
         backlog = sum(self._backlogs.get(r.rid, 0) for r in reqs) / len(reqs)
         tokens_left = [r.params.max_tokens - len(r.output_ids) for r in reqs]
-        return self.policy.choose(len(reqs), backlog, tokens_left)
+        return self.policy.choose(len(reqs), backlog, tokens_left, [r.rid for r in reqs])
 
     def _extend_compute(self, batch: ScheduledBatch) -> RunnerOutput | PlainBatchOut:
         """Compute side of a prefill/decode batch, then the draft over the same positions."""
@@ -349,7 +349,12 @@ class SpeculativeExecutor(StepExecutor):
         self.metrics.observe_rung(batch.plain_reason)
         accepted = out.accept_lens if rung.speculates else out.probes
         self.policy.observe(
-            rung, batch.plain_reason, accepted, self._step_seconds(batch, out), len(batch.reqs)
+            rung,
+            batch.plain_reason,
+            accepted,
+            self._step_seconds(batch, out),
+            len(batch.reqs),
+            [None if r.finished else r.rid for r in batch.reqs],  # a finished one is gone
         )
         if out.suffix_trees:
             self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
@@ -359,7 +364,7 @@ class SpeculativeExecutor(StepExecutor):
         if deferred:  # a full backlog: what staying plain costs
             self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
         self._count_backlogs(batch.reqs, deferred and not out.catch_up_tokens)
-        self._observe_shadows_and_cost(rung, len(batch.reqs), out.shadow_accepted)
+        self._observe_shadows_and_cost(rung, batch.reqs, out.shadow_accepted)
 
     def _observe_plain_batch(self, batch: ScheduledBatch, out: PlainBatchOut) -> None:
         """Feed a batch of plain decodes the policy chose to the cost model, as the
@@ -368,15 +373,20 @@ class SpeculativeExecutor(StepExecutor):
         seconds = self._step_seconds(batch, out)
         self.policy.observe(PLAIN, batch.plain_reason, (), seconds, len(batch.reqs))
         self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
-        self._observe_shadows_and_cost(PLAIN, len(batch.reqs), out.shadow_accepted)
+        self._observe_shadows_and_cost(PLAIN, batch.reqs, out.shadow_accepted)
 
     def _observe_shadows_and_cost(
-        self, rung: Rung, batch_size: int, shadow_accepted: tuple[int, ...]
+        self, rung: Rung, reqs: Sequence[Req], shadow_accepted: tuple[tuple[str, int], ...]
     ) -> None:
-        """Shadow walks' acceptance to the cost model, and its gauges for ``rung``."""
+        """Shadow walks' acceptance (rid, accepted drafts) to the cost model, and its
+        gauges for ``rung`` after a batch of ``reqs``."""
+        batch_size = len(reqs)
         if shadow_accepted:
-            self.policy.observe_shadow(self.decoder.shadow_rung, shadow_accepted)
-            self.metrics.observe_shadow(shadow_accepted)
+            finished = {r.rid for r in reqs if r.finished}  # released: nothing to keep
+            rids = [None if rid in finished else rid for rid, _ in shadow_accepted]
+            accepted = [n for _, n in shadow_accepted]
+            self.policy.observe_shadow(self.decoder.shadow_rung, accepted, rids)
+            self.metrics.observe_shadow(tuple(accepted))
         model = self.policy.cost_model
         if model is not None:
             bucket = batch_bucket(batch_size)
@@ -409,5 +419,6 @@ class SpeculativeExecutor(StepExecutor):
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
         self._backlogs.pop(req.rid, None)
+        self.policy.forget(req.rid)
         finished = req.finished and req.error is None
         self.compute.submit(self.decoder.drop, [req.rid], finished)

@@ -68,6 +68,7 @@ from specd.workers.runner.model_runner import ModelRunner
 from specd.workers.scheduler.fit import FitPolicy
 from specd.workers.scheduler.scheduler import Scheduler, SchedulerConfig
 from specd.workers.scheduler.session_store import SessionStore
+from specd.workers.speculation_spec import DRAFT_FREE
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
@@ -252,7 +253,8 @@ def load_models(
     if spec.speculative is not None:
         if spec.speculative.adaptive.enabled:
             check_widest_rung_fits_context(spec_shape, spec.kv_cache.page_size, context_length)
-        spec_policy = SpecPolicy(spec.speculative)
+        draft_free = spec.draft is not None and spec.draft.algorithm in DRAFT_FREE
+        spec_policy = SpecPolicy(spec.speculative, per_request=draft_free)
     draft_head = None
     if spec.has_draft_model:
         draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))

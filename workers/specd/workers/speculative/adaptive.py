@@ -105,7 +105,9 @@ class SpecPolicy:
 
     ``speculative`` is ``DeploymentSpec.speculative`` (``SpeculativeSpec``)."""
 
-    def __init__(self, speculative):
+    def __init__(self, speculative, per_request: bool = False):
+        """``per_request``: the cost model keeps each request's own acceptance (a
+        draft-free drafter's: ``CostModel.own_accepted``)."""
         self.fixed = speculative.initial_rung
         self.controller = (
             AdaptiveController(speculative.ladder, speculative.initial_rung, speculative.adaptive)
@@ -114,19 +116,25 @@ class SpecPolicy:
         )
         policy = speculative.policy
         self.max_batch_for_spec = policy.max_batch_for_spec
-        self.cost_model = CostModel(policy.cost_model) if policy.uses_cost_model else None
+        self.cost_model = (
+            CostModel(policy.cost_model, per_request) if policy.uses_cost_model else None
+        )
 
     @property
     def active(self) -> Rung:
         return self.controller.rung if self.controller is not None else self.fixed
 
     def choose(
-        self, batch_size: int, backlog: float = 0.0, tokens_left: Sequence[int] = ()
+        self,
+        batch_size: int,
+        backlog: float = 0.0,
+        tokens_left: Sequence[int] = (),
+        rids: Sequence[str] = (),
     ) -> tuple[Rung, PlainReason | None]:
         """-> (the rung a verify batch of ``batch_size`` requests runs, why it is plain;
         None when it speculates).  ``backlog``: the mean tokens per request the draft has
         not read (``deferred_extend.py``); ``tokens_left``: per request, the tokens it
-        may still produce (``cost_model.tokens_per_verify``)."""
+        may still produce (``cost_model.tokens_per_verify``); ``rids``: theirs."""
         rung = self.active
         if not rung.speculates:
             return rung, PlainReason.RUNG
@@ -136,7 +144,7 @@ class SpecPolicy:
         model = self.cost_model
         if (
             model is not None
-            and not model.choose(batch_size, rung, backlog, tokens_left).speculates
+            and not model.choose(batch_size, rung, backlog, tokens_left, rids).speculates
         ):
             return PLAIN, PlainReason.COST
         return rung, None
@@ -148,19 +156,28 @@ class SpecPolicy:
         accepted: Sequence[int],
         seconds: float,
         batch_size: int,
+        rids: Sequence[str | None] = (),
     ) -> None:
-        """Feed a processed batch of ``batch_size`` requests: its accepted drafts per
-        request (probe hits on the plain rung, none when it skipped the probe) and its
-        compute seconds."""
+        """Feed a processed batch of ``batch_size`` requests (``rids``): its accepted
+        drafts per request (probe hits on the plain rung, none when it skipped the
+        probe) and its compute seconds."""
         if self.cost_model is not None:
-            self.cost_model.observe(batch_size, rung, seconds, accepted)
+            self.cost_model.observe(batch_size, rung, seconds, accepted, rids)
         if self.controller is not None and plain_reason in (None, PlainReason.RUNG):
             self.controller.observe(rung, accepted)
 
-    def observe_shadow(self, rung: Rung, accepted: Sequence[int]) -> None:
-        """Drafts ``rung`` would have accepted, measured on plain steps."""
+    def observe_shadow(
+        self, rung: Rung, accepted: Sequence[int], rids: Sequence[str | None]
+    ) -> None:
+        """Drafts ``rung`` would have accepted in requests ``rids``, measured on plain
+        steps."""
         if self.cost_model is not None:
-            self.cost_model.observe_accepted(rung, accepted)
+            self.cost_model.observe_accepted(rung, accepted, rids)
+
+    def forget(self, rid: str) -> None:
+        """``rid`` is done (its own acceptance goes)."""
+        if self.cost_model is not None:
+            self.cost_model.forget(rid)
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """The draft caught up on ``tokens`` deferred by plain steps in ``seconds``."""

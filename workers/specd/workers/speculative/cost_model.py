@@ -12,6 +12,10 @@ Plain Python, no torch.  The engine feeds it the compute seconds of every verify
   the plain mean of its first samples; a draft-free drafter also
   measures it on plain steps (``observe_accepted``), so a rung that lost on acceptance
   wins back as soon as its drafts would be accepted again;
+* for a draft-free drafter (NGRAM, SUFFIX), also each request's own EMA of its
+  accepted drafts (``own_accepted``, ``OWN_ALPHA``), from its verifies and shadow walks:
+  such a drafter's acceptance is a property of each request's text, and a batch is
+  weighed with its requests' own estimates (the rung's for a request that has none);
 * an EMA of the seconds per token the draft took to catch up on deferred plain steps
   (``deferred_extend.py``): a cost of plain steps that they do not pay themselves.
 
@@ -75,6 +79,7 @@ MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reex
 SWITCH_MARGIN = 0.05  # the lead that turns a bucket's decision from its last winner
 PAIRED_STEPS = COST_WINDOW  # a bucket's steps within which two rungs' samples form a ratio
 RATIO_WINDOW = 5  # the newest cost ratios whose median is a rung's ratio to plain
+OWN_ALPHA = 0.5  # the weight of a request's newest sample in its own acceptance
 
 
 @dataclass(slots=True)
@@ -200,15 +205,23 @@ def acceptance_known(ema: Ema | None) -> bool:
     return ema is not None and ema.weight >= 1.0
 
 
-def tokens_per_verify(accepted: float, tokens_left: Sequence[int] = ()) -> float:
-    """The tokens a step adds per request: ``accepted`` drafts and the bonus (plain: 0
-    and 1), but no more than each request may still produce (``tokens_left``: its
-    ``max_tokens`` less its output; a verify's tokens past that are dropped), averaged
-    over the batch; uncapped when ``tokens_left`` is empty."""
-    whole = 1.0 + accepted
-    if not tokens_left:
-        return whole
-    return sum(min(whole, max(left, 1)) for left in tokens_left) / len(tokens_left)
+def tokens_per_verify(
+    accepted: float, tokens_left: Sequence[int] = (), own: Sequence[float | None] = ()
+) -> float:
+    """The tokens a step adds per request, averaged over the batch: its accepted drafts
+    (its ``own`` estimate where it has one, else ``accepted``, the rung's; plain: 0) and
+    the bonus, but no more than it may still produce (``tokens_left``: its
+    ``max_tokens`` less its output; a verify's tokens past that are dropped).  Neither
+    given: ``1 + accepted``."""
+    size = max(len(tokens_left), len(own))
+    if not size:
+        return 1.0 + accepted
+    total = 0.0
+    for i in range(size):
+        mine = own[i] if i < len(own) else None
+        gain = 1.0 + (accepted if mine is None else mine)
+        total += min(gain, max(tokens_left[i], 1)) if i < len(tokens_left) else gain
+    return total / size
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -224,10 +237,13 @@ class CostModel:
 
     ``params`` is ``speculative.policy.costModel`` (``CostModelSpec``)."""
 
-    def __init__(self, params):
+    def __init__(self, params, per_request: bool = False):
+        """``per_request``: also keep each request's own acceptance (``own_accepted``)."""
         self.params = params
         self._buckets: dict[int, Bucket] = {}  # by largest batch size
         self._accepted: dict[Rung, Ema] = {}  # speculating rung -> accepted drafts
+        # rid -> (the rung, the request's own accepted drafts at it)
+        self._own: dict[str, tuple[Rung, Ema]] | None = {} if per_request else None
         self._catch_up = Ema(params.ema_alpha)  # draft seconds per deferred token
         self.explorations = 0
 
@@ -259,31 +275,61 @@ class CostModel:
         ema = self._accepted.get(rung)
         return ema.value if acceptance_known(ema) else None
 
+    def own_accepted(self, rids: Sequence[str], rung: Rung) -> list[float | None]:
+        """Each request's own accepted drafts at ``rung`` (None: none measured, or not
+        kept).  A draft-free drafter's acceptance is a property of each request's text
+        and moves within it (NGRAM: a request starts repeating itself, or copying its
+        context, then stops); the rung's one estimate carries the end of some requests
+        into the start of others."""
+        if self._own is None or not rung.speculates:
+            return []
+        held = [self._own.get(rid) for rid in rids]
+        return [None if h is None or h[0] != rung else h[1].value for h in held]
+
+    @property
+    def requests_tracked(self) -> int:
+        """Requests whose own acceptance is kept now."""
+        return 0 if self._own is None else len(self._own)
+
+    def forget(self, rid: str) -> None:
+        """``rid`` is done: drop its own acceptance."""
+        if self._own is not None:
+            self._own.pop(rid, None)
+
     def predicted_tokens_per_second(
         self,
         bucket: int,
         rung: Rung,
         against: Rung | None = None,
         tokens_left: Sequence[int] = (),
+        own: Sequence[float | None] = (),
     ) -> float | None:
         """Tokens per second per request if a batch of ``bucket`` ran ``rung`` (plain:
         as weighed against ``against``, see ``seconds_per_request``), for requests with
-        ``tokens_left`` (``tokens_per_verify``; none given: uncapped); None until both
-        the step's cost and the rung's acceptance are measured."""
+        ``tokens_left`` and ``own`` acceptance (``tokens_per_verify``; none given: the
+        rung's, uncapped); None until both the step's cost and the rung's acceptance
+        are measured."""
         seconds = self.seconds_per_request(bucket, rung, against)
         accepted = self.accepted_drafts(rung)
         if seconds is None or accepted is None:
             return None
-        return tokens_per_verify(accepted, tokens_left) / seconds
+        return tokens_per_verify(accepted, tokens_left, own if rung.speculates else ()) / seconds
 
     def choose(
-        self, batch_size: int, rung: Rung, backlog: float = 0.0, tokens_left: Sequence[int] = ()
+        self,
+        batch_size: int,
+        rung: Rung,
+        backlog: float = 0.0,
+        tokens_left: Sequence[int] = (),
+        rids: Sequence[str] = (),
     ) -> Rung:
         """``rung`` (a speculating one) or ``PLAIN`` for a verify batch of ``batch_size``
         whose requests have a mean of ``backlog`` tokens the draft has not read and may
-        each produce ``tokens_left`` more (empty: not known)."""
+        each produce ``tokens_left`` more (empty: not known); ``rids``: theirs, for
+        their own acceptance where it is kept (``own_accepted``)."""
         bucket = batch_bucket(batch_size)
-        speculated = self.predicted_tokens_per_second(bucket, rung)
+        own = self.own_accepted(rids, rung)
+        speculated = self.predicted_tokens_per_second(bucket, rung, own=own)
         plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
         if speculated is None:
             return self._explore(rung)
@@ -301,12 +347,17 @@ class CostModel:
             state.last_rerun = state.decisions
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
             return self._explore(loser)
-        if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left):
+        if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left, own):
             return PLAIN  # this batch only: its requests end before the winner pays
         return best
 
     def near_their_ends(
-        self, bucket: int, rung: Rung, plain: float, tokens_left: Sequence[int]
+        self,
+        bucket: int,
+        rung: Rung,
+        plain: float,
+        tokens_left: Sequence[int],
+        own: Sequence[float | None] = (),
     ) -> bool:
         """Whether the batch's requests are so near their ``max_tokens`` that ``rung``
         (the bucket's winner), its gain per request capped by the tokens each may still
@@ -314,7 +365,7 @@ class CostModel:
         ``plain``."""
         if not tokens_left:
             return False
-        capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left)
+        capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left, own=own)
         return capped is not None and capped < plain
 
     def rerun_loser(self, state: Bucket, loser: Rung, backlog: float) -> bool:
@@ -334,23 +385,44 @@ class CostModel:
         self.explorations += 1
         return rung
 
-    def observe(self, batch_size: int, rung: Rung, seconds: float, accepted: Sequence[int]) -> None:
+    def observe(
+        self,
+        batch_size: int,
+        rung: Rung,
+        seconds: float,
+        accepted: Sequence[int],
+        rids: Sequence[str | None] = (),
+    ) -> None:
         """One verify step of ``batch_size`` requests at ``rung`` took ``seconds`` of
-        compute; ``accepted``: its accepted drafts per request (ignored on the plain rung)."""
+        compute; ``accepted``: its accepted drafts per request, of ``rids`` (ignored on
+        the plain rung)."""
         if batch_size <= 0 or not seconds > 0:
             return
         state = self._buckets.setdefault(batch_bucket(batch_size), Bucket())
         state.steps += 1
         if state.costs.setdefault(rung, StepCost()).add(seconds / batch_size, state.steps):
             state.pair(rung)
-        self.observe_accepted(rung, accepted)
+        self.observe_accepted(rung, accepted, rids)
 
-    def observe_accepted(self, rung: Rung, accepted: Sequence[int]) -> None:
-        """Accepted drafts per request at a speculating ``rung``: a verify's, or walks
-        of its draft measured on plain steps (``ngram_decoder.py``)."""
-        if rung.speculates and accepted:
-            ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
-            ema.add(sum(accepted) / len(accepted), min(len(accepted) / ACCEPTANCE_BATCH, 1.0))
+    def observe_accepted(
+        self, rung: Rung, accepted: Sequence[int], rids: Sequence[str | None] = ()
+    ) -> None:
+        """Accepted drafts per request (of ``rids``, where given; None: a request that
+        is done) at a speculating ``rung``: a verify's, or walks of its draft measured
+        on plain steps (``ngram_decoder.py``)."""
+        if not (rung.speculates and accepted):
+            return
+        ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
+        ema.add(sum(accepted) / len(accepted), min(len(accepted) / ACCEPTANCE_BATCH, 1.0))
+        if self._own is None or not rids:
+            return
+        for rid, n in zip(rids, accepted, strict=True):
+            if rid is None:  # a request that is done
+                continue
+            held = self._own.get(rid)
+            if held is None or held[0] != rung:
+                held = self._own[rid] = (rung, Ema(OWN_ALPHA))
+            held[1].add(n)
 
     def observe_catch_up(self, seconds: float, tokens: int) -> None:
         """The draft read ``tokens`` deferred tokens in ``seconds``."""

@@ -113,7 +113,7 @@ class SpecStepOut:
     catch_up_seconds: float = 0.0  # of which the draft reading deferred tokens took
     catch_up_tokens: int = 0  # the deferred tokens it read
     # drafts a speculating step would have accepted, measured on plain tokens (NGRAM)
-    shadow_accepted: tuple[int, ...] = ()
+    shadow_accepted: tuple[tuple[str, int], ...] = ()  # (rid, accepted drafts) per walk
     suffix_trees: int = 0  # requests that verified SUFFIX's tree instead (hybrid)
     # per request, the nodes it verified, the root included, where the tree was ragged
     # (NGRAM, SUFFIX: no padding); empty: the rung's T for every request
@@ -277,9 +277,9 @@ class SpecDecoder:
             node_counts=tree.node_counts or (),
         )
 
-    def shadow_samples(self) -> tuple[int, ...]:
-        """Acceptance measured on plain steps since the last call (a draft model's
-        would need its forward: none)."""
+    def shadow_samples(self) -> tuple[tuple[str, int], ...]:
+        """Acceptance measured on plain steps since the last call, as (rid, accepted
+        drafts) per walk (a draft model's would need its forward: none)."""
         return ()
 
     def suffix_trees_taken(self) -> int:

@@ -85,7 +85,7 @@ class NgramDecoder(SpecDecoder):
         self.proposer = proposer
         self.shadow_rung = shadow_rung
         self._shadows: dict[str, ShadowDraft] = {}  # rid -> its draft in the shadow
-        self._shadow_samples: list[int] = []
+        self._shadow_samples: list[tuple[str, int]] = []  # (rid, accepted drafts)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -116,7 +116,7 @@ class NgramDecoder(SpecDecoder):
             state.history.extend((token,))  # the root moves with it
             accepted = None if shadow is None else shadow.follow(token)
             if accepted is not None:  # the walk ended: the next root drafts anew
-                self._shadow_samples.append(accepted)
+                self._shadow_samples.append((req.rid, accepted))
                 del self._shadows[req.rid]
         return 0.0, 0
 
@@ -134,7 +134,7 @@ class NgramDecoder(SpecDecoder):
             shadow = self._shadows[rid] = ShadowDraft.of(proposal, rung.steps)
         return shadow
 
-    def shadow_samples(self) -> tuple[int, ...]:
+    def shadow_samples(self) -> tuple[tuple[str, int], ...]:
         samples, self._shadow_samples = tuple(self._shadow_samples), []
         return samples
 
