@@ -109,7 +109,6 @@ class StepCost:
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     at: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # their bucket steps
     value: float | None = None
-    step: int = 0  # the bucket's step count at the newest counted sample (``window[-1]``)
 
     def add(self, seconds_per_request: float, step: int = 0) -> bool:
         """Count a step's seconds per request (the bucket's ``step``-th); False for a
@@ -119,10 +118,14 @@ class StepCost:
             return False
         self.window.append(seconds_per_request)
         self.at.append(step)
-        self.step = step
         if len(self.window) >= MIN_SAMPLES:
             self.value = statistics.median(self.window)
         return True
+
+    @property
+    def step(self) -> int:
+        """The bucket's step count at the newest counted sample (``window[-1]``)."""
+        return self.at[-1] if self.at else 0
 
     def recent(self) -> float:
         """The median of the samples taken within ``PAIRED_STEPS`` bucket steps of the
@@ -216,12 +219,10 @@ def tokens_per_verify(
     size = max(len(tokens_left), len(own))
     if not size:
         return 1.0 + accepted
-    total = 0.0
-    for i in range(size):
-        mine = own[i] if i < len(own) else None
-        gain = 1.0 + (accepted if mine is None else mine)
-        total += min(gain, max(tokens_left[i], 1)) if i < len(tokens_left) else gain
-    return total / size
+    gains = [1.0 + (accepted if mine is None else mine) for mine in own or [None] * size]
+    if tokens_left:
+        gains = [min(g, max(left, 1)) for g, left in zip(gains, tokens_left, strict=True)]
+    return sum(gains) / size
 
 
 def batch_bucket(batch_size: int) -> int:
