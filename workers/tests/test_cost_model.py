@@ -23,6 +23,7 @@ from specd.devtools.testing import (
     run_all,
     start_engine,
     start_spec_engine,
+    wait_idle,
 )
 from specd.workers.config import ConfigError, CostModelSpec, spec_for_model
 from specd.workers.engine.executors import spec_graph_rungs
@@ -487,6 +488,44 @@ def test_ngram_batches_weigh_each_requests_own_acceptance_and_forget_it():
     both = [own for own in seen if len(own) == 2 and None not in own]
     assert both, seen
     assert sum(r for r, _ in both) > sum(o for _, o in both), both
+
+
+def test_ngram_own_acceptance_is_forgotten_however_a_request_ends():
+    """Requests ending at many different steps (max_tokens 1 to 52, beside prefill
+    steps and verifies) and aborted ones: no request's own acceptance outlives it
+    (a shadow walk that ended beside a prefill step used to be read a step later,
+    after its request was gone, and kept)."""
+    engine = ngram_engine()
+    model = engine.executor.policy.cost_model
+
+    async def aborted(i):
+        request = GenerateRequest(
+            f"ab{i}", tuple([9, 8, 7] * 40), SamplingParams(max_tokens=200, ignore_eos=True)
+        )
+        stream = engine.generate(request)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 2 + i:
+                break
+        await stream.aclose()
+
+    async def requests():
+        work = [collect(engine, "rep", hash_line_prompt(), max_tokens=120, ignore_eos=True)]
+        work += [
+            collect(engine, f"g{i}", [11 + i, 12, 13] * 30, max_tokens=1 + 7 * i, ignore_eos=True)
+            for i in range(8)
+        ]
+        return await asyncio.gather(*work, *(aborted(i) for i in range(4)))
+
+    try:
+        outputs = asyncio.run(requests())
+        assert wait_idle(engine, 30)
+        assert engine.status().healthy
+        assert model.requests_tracked == 0
+    finally:
+        engine.shutdown()
+    assert [len(o[0]) for o in outputs[1:9]] == [1 + 7 * i for i in range(8)]
 
 
 def test_a_draft_that_predicts_the_text_is_measured_and_followed():

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -354,7 +354,7 @@ class SpeculativeExecutor(StepExecutor):
             accepted,
             self._step_seconds(batch, out),
             len(batch.reqs),
-            [None if r.finished else r.rid for r in batch.reqs],  # a finished one is gone
+            self._held_rids(r.rid for r in batch.reqs),
         )
         if out.suffix_trees:
             self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
@@ -364,7 +364,7 @@ class SpeculativeExecutor(StepExecutor):
         if deferred:  # a full backlog: what staying plain costs
             self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
         self._count_backlogs(batch.reqs, deferred and not out.catch_up_tokens)
-        self._observe_shadows_and_cost(rung, batch.reqs, out.shadow_accepted)
+        self._observe_shadows_and_cost(rung, len(batch.reqs), out.shadow_accepted)
 
     def _observe_plain_batch(self, batch: ScheduledBatch, out: PlainBatchOut) -> None:
         """Feed a batch of plain decodes the policy chose to the cost model, as the
@@ -373,17 +373,15 @@ class SpeculativeExecutor(StepExecutor):
         seconds = self._step_seconds(batch, out)
         self.policy.observe(PLAIN, batch.plain_reason, (), seconds, len(batch.reqs))
         self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
-        self._observe_shadows_and_cost(PLAIN, batch.reqs, out.shadow_accepted)
+        self._observe_shadows_and_cost(PLAIN, len(batch.reqs), out.shadow_accepted)
 
     def _observe_shadows_and_cost(
-        self, rung: Rung, reqs: Sequence[Req], shadow_accepted: tuple[tuple[str, int], ...]
+        self, rung: Rung, batch_size: int, shadow_accepted: tuple[tuple[str, int], ...]
     ) -> None:
         """Shadow walks' acceptance (rid, accepted drafts) to the cost model, and its
-        gauges for ``rung`` after a batch of ``reqs``."""
-        batch_size = len(reqs)
+        gauges for ``rung``."""
         if shadow_accepted:
-            finished = {r.rid for r in reqs if r.finished}  # released: nothing to keep
-            rids = [None if rid in finished else rid for rid, _ in shadow_accepted]
+            rids = self._held_rids(rid for rid, _ in shadow_accepted)
             accepted = [n for _, n in shadow_accepted]
             self.policy.observe_shadow(self.decoder.shadow_rung, accepted, rids)
             self.metrics.observe_shadow(tuple(accepted))
@@ -407,6 +405,14 @@ class SpeculativeExecutor(StepExecutor):
         if self.overlap:
             return out.seconds
         return time.perf_counter() - batch.scheduled_at - out.catch_up_seconds
+
+    def _held_rids(self, rids: Iterable[str]) -> list[str | None]:
+        """``rids``, None for each request the scheduler no longer runs: finished,
+        aborted or retracted, its KV is gone and so is its own acceptance
+        (``_forget_draft_state``); an observation of it (its last verify, a shadow walk
+        that ended beside a prefill step) must not bring that back."""
+        running = {r.rid for r in self.scheduler.running}
+        return [rid if rid in running else None for rid in rids]
 
     def _count_backlogs(self, reqs: Sequence[Req], deferred: bool) -> None:
         """Host-side mirror of the decoder's backlogs, for the cost model: a deferred
