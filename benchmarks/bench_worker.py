@@ -7,7 +7,9 @@ speed on small machines).  vLLM runs this file with its own virtualenv's python.
 Protocol (one JSON object per line): the worker prints ``{"ready": true}`` once the
 model is loaded; for each request ``{"prompts": [[ids...], ...], "new_tokens": N}``
 it generates N greedy tokens for every prompt and prints ``{"seconds": wall_time,
-"outputs": [[ids...], ...], "host_share": float | null}``.
+"outputs": [[ids...], ...], "host_share": float | null}``.  specd also takes
+``"in_flight": C``: at most C requests at a time, the next starting as one ends (a
+served load's steady batch, as ``vllm bench serve --max-concurrency``).
 
     python bench_worker.py --engine specd|transformers|transformers-seq|transformers-pld|vllm \
         --model DIR [--spec JSON]
@@ -33,22 +35,25 @@ class Specd:
         self.engine.start()
         self.verify_steps = self.accepted = 0
 
-    def generate(self, prompts, n):
+    def generate(self, prompts, n, in_flight=None):
         from specd.workers.types import GenerateRequest, SamplingParams
 
         params = SamplingParams(max_tokens=n, ignore_eos=True)
 
-        async def one(i, p):
+        async def one(i, p, slots):
             out = []
-            async for d in self.engine.generate(GenerateRequest(f"b{i}", tuple(p), params)):
-                out += d.token_ids
-                if d.finished and d.usage is not None:
-                    self.verify_steps += d.usage.spec_verify_steps
-                    self.accepted += d.usage.spec_accepted_tokens
+            async with slots:
+                request = GenerateRequest(f"b{i}", tuple(p), params)
+                async for d in self.engine.generate(request):
+                    out += d.token_ids
+                    if d.finished and d.usage is not None:
+                        self.verify_steps += d.usage.spec_verify_steps
+                        self.accepted += d.usage.spec_accepted_tokens
             return out
 
         async def all_():
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            slots = asyncio.Semaphore(in_flight or len(prompts))
+            return await asyncio.gather(*(one(i, p, slots) for i, p in enumerate(prompts)))
 
         return asyncio.run(all_())
 
@@ -217,7 +222,8 @@ def main():
     for line in sys.stdin:
         req = json.loads(line)
         t0 = time.perf_counter()
-        outputs = engine.generate(req["prompts"], req["new_tokens"])
+        held = {"in_flight": req["in_flight"]} if req.get("in_flight") else {}
+        outputs = engine.generate(req["prompts"], req["new_tokens"], **held)
         seconds = time.perf_counter() - t0
         reply = {
             "seconds": seconds,

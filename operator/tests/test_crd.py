@@ -220,6 +220,8 @@ def _parity_cases():
         if suffix is not None:
             speculative["suffix"] = suffix
         yield {**base, "draft": draft, "speculative": speculative}
+    for draft in drafts:
+        yield {**base, "draft": {**draft, "tokenMap": "/d/map.json"}, "speculative": {}}
     for kv in ({}, {"maxTokens": 8}, {"memFraction": 0.5}, {"maxTokens": 8, "memFraction": 0.5}):
         yield {**base, "kvCache": kv}
     for ray in ({}, {"address": "a:1"}, {"cluster": {"x": 1}}, {"address": "a:1", "cluster": {}}):

@@ -59,6 +59,12 @@ CEL_RULES: tuple[CelRule, ...] = (
         "out for NGRAM and SUFFIX, which draft from tokens",
     ),
     CelRule(
+        ("draft",),
+        "!has(self.tokenMap) || !has(self.algorithm) || self.algorithm == 'EAGLE'",
+        "spec.draft.tokenMap restricts an EAGLE draft's lm_head: leave it out for EAGLE3 "
+        "(its own vocabulary map), NGRAM and SUFFIX",
+    ),
+    CelRule(
         (),
         "!has(self.speculative) || !has(self.speculative.ngram)"
         " || (has(self.draft) && has(self.draft.algorithm)"

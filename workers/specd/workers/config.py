@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from specd.workers.spec_model import ConfigError, SpecModel, SubfieldError  # noqa: F401
+from specd.workers.spec_model import ConfigError, DType, SpecModel, SubfieldError  # noqa: F401
 from specd.workers.speculation_spec import (  # noqa: F401  (part of the spec)
     DRAFT_FREE,
     AdaptiveSpec,
@@ -57,13 +56,6 @@ def ray_namespace(kube_namespace: str | None) -> str:
     Kubernetes namespace, so same-named SDDs of two namespaces sharing one Ray
     cluster never adopt each other's actors."""
     return f"specd-{kube_namespace}" if kube_namespace else "specd"
-
-
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
 
 
 class ModelSpec(SpecModel):
@@ -561,7 +553,7 @@ def load_deployment(path: str | Path) -> SpecDecodeDeployment:
 
 
 def resolve_paths(sdd: SpecDecodeDeployment, base: Path) -> SpecDecodeDeployment:
-    """Make model/tokenizer/draft paths absolute, relative to `base`."""
+    """Make model/tokenizer/draft/token-map paths absolute, relative to `base`."""
 
     def absolute(p: str | None) -> str | None:
         if p is None or Path(p).is_absolute():
@@ -574,7 +566,9 @@ def resolve_paths(sdd: SpecDecodeDeployment, base: Path) -> SpecDecodeDeployment
     )
     update: dict[str, Any] = {"model": model}
     if spec.draft is not None:
-        update["draft"] = spec.draft.model_copy(update={"path": absolute(spec.draft.path)})
+        update["draft"] = spec.draft.model_copy(
+            update={"path": absolute(spec.draft.path), "token_map": absolute(spec.draft.token_map)}
+        )
     return sdd.model_copy(update={"spec": spec.model_copy(update=update)})
 
 

@@ -3,6 +3,8 @@ refused, frozen) and the errors that name a spec field."""
 
 from __future__ import annotations
 
+from enum import Enum
+
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -24,3 +26,13 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(
         extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True
     )
+
+
+class DType(str, Enum):
+    """A model's (or draft's) activation dtype; auto: the checkpoint's (the target's, for a
+    draft)."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"

@@ -13,6 +13,7 @@ Runs on the engine's compute thread (`Engine.start`): loading is torch work.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ from specd.workers.mem_cache.sizing import (
     row_width,
 )
 from specd.workers.model.config import ModelConfig
+from specd.workers.model.cpu_linear import prepack_supported
 from specd.workers.model.draft_loader import DraftConfig, load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.null_model import load_null_model
@@ -72,6 +74,8 @@ from specd.workers.speculation_spec import DRAFT_FREE
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.decoder import SpecDecoder
 from specd.workers.speculative.draft_head import DraftHead
+
+logger = logging.getLogger(__name__)
 
 
 def check_backend_supports_layout(backend: str, shape: SpecShape | None, page_size: int) -> None:
@@ -288,7 +292,29 @@ def load_spec_draft(
         device=str(device),
         dummy=knobs.dummy_weights,
         fused_elementwise=not knobs.eager_elementwise,
+        token_map=spec.draft.token_map,
+        dtype=draft_dtype(spec, device),
     )
+
+
+def draft_dtype(spec: DeploymentSpec, device: torch.device) -> str:
+    """``spec.draft.dtype``, where this device can run it: on CUDA the attention plans
+    and graphs are built for the target's dtype, which the draft then shares."""
+    assert spec.draft is not None
+    wanted = spec.draft.dtype.value
+    if device.type == "cuda" and wanted not in ("auto", spec.model.dtype.value):
+        raise ConfigError(
+            f"spec.draft.dtype: {wanted} differs from spec.model.dtype "
+            f"({spec.model.dtype.value}); on CUDA the draft runs in the target's dtype: "
+            "leave spec.draft.dtype out"
+        )
+    if device.type == "cpu" and wanted == "bfloat16" and not prepack_supported(torch.bfloat16):
+        logger.warning(
+            "spec.draft.dtype bfloat16 on a CPU without native bfloat16 matmuls (AVX512-BF16 "
+            "or AMX): draft steps will be slower than in float32; set spec.draft.dtype: "
+            "float32 (or leave it out) on this machine"
+        )
+    return wanted
 
 
 def load_target(
@@ -337,7 +363,10 @@ def build_memory(
     if draft_cfg is not None:  # the draft's KV shares the target's slots
         draft_shape = local_pool_shape(draft_cfg.model, draft_cfg.num_kv_layers, tensor)
         per_token += KVPool.bytes_per_token(
-            draft_shape.num_layers, draft_shape.num_kv_heads, draft_shape.head_dim, dtype
+            draft_shape.num_layers,
+            draft_shape.num_kv_heads,
+            draft_shape.head_dim,
+            models.draft_head.dtype,
         )
     free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     tokens = kv_pool_tokens(spec.kv_cache, per_token, free_bytes, models.context_length)
@@ -368,7 +397,7 @@ def build_memory(
             slots,
             draft_shape.num_kv_heads,
             draft_shape.head_dim,
-            dtype,
+            models.draft_head.dtype,
             device,
         )
     return KVMemory(

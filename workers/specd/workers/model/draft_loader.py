@@ -12,6 +12,7 @@ with a ``ModelLoadError`` naming the field or tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from specd.workers.model.inference_layout import to_inference_layout
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import check_weights, dummy_weights, resolve_dtype
 from specd.workers.model.parallel import SINGLE_RANK, ShardPlan, TpGroup, TpShape
+from specd.workers.model.token_map import FIELD as TOKEN_MAP_FIELD
+from specd.workers.model.token_map import read_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class DraftConfig:
     algorithm: DraftAlgorithm
     model: ModelConfig  # the draft's decoder layer(s): widths, heads, rope, eps
     vocab_size: int  # the target's vocabulary (draft tokens are target ids after mapping)
-    draft_vocab_size: int  # rows of the draft's logits; == vocab_size for EAGLE
+    draft_vocab_size: int  # rows of the draft's logits; EAGLE: vocab_size, or its token map's
     fc_bias: bool
     # EAGLE-3: target residual streams to capture (``forward_with_aux`` indices, ascending,
     # the order ``fuse_aux_hidden`` takes them).  EAGLE: () -- it takes the final-normed
@@ -83,6 +86,7 @@ def load_draft(
     inference_layout: bool = True,
     dummy: bool = False,
     fused_elementwise: bool = True,
+    token_map: str | Path | None = None,
 ) -> tuple[DraftModel, DraftConfig]:
     """Build the draft described by ``path``/config.json and load its weights.
 
@@ -91,7 +95,8 @@ def load_draft(
     on CPU, linear weights stored in their fastest layout (``inference_layout.py``).
     ``dummy`` (benchmarks): random weights from config.json alone (``loader.dummy_weights``)
     and, for EAGLE-3, the identity vocab map (draft id i -> target id i).
-    ``fused_elementwise``: as in ``load_model``.
+    ``fused_elementwise``: as in ``load_model``.  ``token_map`` (EAGLE): a file of the
+    target ids the draft may propose (``token_map.py``); its head keeps only their rows.
     """
     folder = Path(path)
     algo = _algorithm(algorithm)
@@ -119,6 +124,8 @@ def load_draft(
     model.load_state_dict(weights, assign=True)
     del weights  # the model holds the tensors now; fusing frees the unfused ones
     model.eval().requires_grad_(False)
+    if token_map is not None:
+        config = _restrict_vocab(model, config, token_map, target_model)
     if inference_layout:
         to_inference_layout(model, fused_elementwise)
     logger.info(
@@ -130,6 +137,22 @@ def load_draft(
         config.aux_layer_ids,
     )
     return model, config
+
+
+def _restrict_vocab(
+    model: DraftModel, config: DraftConfig, token_map: str | Path, target: LlamaForCausalLM
+) -> DraftConfig:
+    """Have an EAGLE draft propose only the token map's ids (before its layout is set, so
+    the map's head gets the fastest one too)."""
+    if not isinstance(model, EagleDraftModel):
+        raise ModelLoadError(
+            f"{TOKEN_MAP_FIELD}: {config.algorithm.value} drafts carry their own vocabulary "
+            "map (d2t); a token map applies to EAGLE drafts: leave tokenMap out"
+        )
+    ids = read_token_map(token_map, config.vocab_size)
+    model.restrict_vocab(ids, target.compute_logits)
+    logger.info("draft proposes the %d token ids of %s", ids.numel(), token_map)
+    return dataclasses.replace(config, draft_vocab_size=ids.numel())
 
 
 def _draft_on_meta(

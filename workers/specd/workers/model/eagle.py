@@ -41,6 +41,7 @@ from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaDecoderLayer
 from specd.workers.model.parallel import SINGLE_RANK, TpGroup, gather_logits
 from specd.workers.model.rope import RotaryEmbedding
+from specd.workers.model.token_map import restricted_head
 
 
 class EagleDecoderLayer(LlamaDecoderLayer):
@@ -79,6 +80,8 @@ class EagleDraftModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
         self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+        self.token_head: nn.Linear | None = None  # the lm_head's rows of a token map
+        self.token_ids: torch.Tensor | None = None  # [N] the map's target ids, ascending
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -104,9 +107,31 @@ class EagleDraftModel(nn.Module):
             x = layer(x, cos, sin, ctx)
         return x
 
+    @property
+    def maps_vocab(self) -> bool:
+        """Whether draft ids are positions in a token map rather than target ids."""
+        return self.token_ids is not None
+
+    def restrict_vocab(self, token_ids: torch.Tensor, target_logits) -> None:
+        """Draft only ``token_ids`` [N] (ascending target ids): score them with their rows
+        of the target's head (read through ``target_logits``) instead of the whole head."""
+        like, head_dtype = self.fc.weight, self.embed_tokens.weight.dtype  # draft's, target's
+        self.token_head = restricted_head(
+            target_logits, self.fc.out_features, token_ids, head_dtype, like
+        )
+        self.token_ids = token_ids.to(like.device)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] -> logits [M, vocab] float32, through the target's lm_head.
+        """hidden [M, H] -> logits [M, vocab] float32, through the target's lm_head, or
+        [M, N] over a token map's ids (``restrict_vocab``).
 
         No norm first: EAGLE applies the target's head to the layer output directly.
         """
+        if self.token_head is not None:
+            return self.token_head(hidden).float()
+        hidden = hidden.to(self.embed_tokens.weight.dtype)  # the target's head, its dtype
         return gather_logits(self.tp, self.lm_head(hidden), self.config.vocab_size)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (any shape) -> target ids: through the token map, if there is one."""
+        return ids if self.token_ids is None else self.token_ids[ids]
