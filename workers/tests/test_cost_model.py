@@ -38,6 +38,7 @@ from specd.workers.speculative.cost_model import (
     StepCost,
     batch_bucket,
     tokens_per_verify,
+    typical,
     winner_and_loser,
 )
 from specd.workers.speculative.decoder import DraftState
@@ -58,18 +59,67 @@ def test_batch_buckets_hold_sizes_within_a_quarter(size, bucket):
     assert members[-1] == bucket and members[0] >= 0.75 * bucket
 
 
-def test_step_cost_drops_the_warmup_step_and_takes_the_median():
+def test_step_cost_drops_the_warmup_step_and_the_slowed_steps():
     cost = StepCost()
     cost.add(100.0)  # a first step paying a compile
     cost.add(2.0)
     assert cost.value is None  # one sample is not a measurement yet
-    cost.add(4.0)
-    assert cost.value == pytest.approx(3.0)
+    cost.add(2.6)
+    assert cost.value == pytest.approx(2.3)  # the median of steps of one cost
+    cost.add(4.0)  # twice the fastest: a step slowed by noise
+    assert cost.value == pytest.approx(2.3)
     for _ in range(4):
         cost.add(3.5)
-    cost.add(90.0)  # a step that met a GC pause moves the median little
+    cost.add(90.0)  # a step that met a GC pause does not count
     assert cost.value == pytest.approx(3.5)
     assert len(cost.window) == COST_WINDOW
+    assert typical([3.0, 3.3, 3.1]) == pytest.approx(3.1)
+    assert typical([3.0, 9.0, 8.0]) == pytest.approx(3.0)
+
+
+def test_a_fixed_shape_costs_its_fastest_recent_step():
+    cost = StepCost(fixed=True)
+    for seconds in (100.0, 3.2, 9.0, 3.0, 3.4):
+        cost.add(seconds)
+    assert cost.value == pytest.approx(3.0)
+    assert cost.recent() == pytest.approx(3.0)
+
+
+def test_slowed_steps_form_no_cost_ratio():
+    """A speculating rung whose recent samples were all slowed pairs with plain into no
+    ratio: one slowed verify beside a clean plain step made a 13x ratio."""
+    model = CostModel(CostModelSpec(), fixed_width=True)
+    for seconds in (0.03, 0.025, 0.026, 0.025):
+        model.observe(1, CHAIN, seconds, [3])
+    for seconds in (0.01, 0.009, 0.0095):
+        model.observe(1, PLAIN, seconds, [])
+    bucket = model._buckets[1]
+    formed = len(bucket.ratios[CHAIN])
+    for _ in range(4):  # plain steps: the chain's samples fall out of the pairing range
+        model.observe(1, PLAIN, 0.0095, [])
+    model.observe(1, CHAIN, 0.14, [3])  # its only recent sample, 5x the window's fastest
+    assert len(bucket.ratios[CHAIN]) == formed
+
+
+def test_two_slowed_verifies_at_the_end_of_exploration_do_not_send_batch_1_to_plain():
+    """Recorded on the demo pair at batch 1 beside a busy neighbour (5-step chain, token
+    map, bfloat16 draft): the exploration's last two verifies took 75 and 68 ms where the
+    others took 25-29, and the median of the newest three made a 1.6x speculation lose to
+    plain (57 against 87 tokens/s) until its next rerun, 64 steps later."""
+    chain = Rung(5, 1, 6)
+    verifies = [26.9, 103.1, 25.1, 28.0, 29.2, 25.9, 75.1, 67.8]
+    accepted = [3, 1, 5, 0, 4, 5, 0, 5]
+    for fixed_width in (True, False):  # a draft model's fixed trees, a draft-free drafter's
+        model = CostModel(CostModelSpec(), fixed_width=fixed_width)
+        for ms, n in zip(verifies, accepted, strict=True):
+            assert model.choose(1, chain) == chain  # exploring
+            model.observe(1, chain, ms / 1000, [n])
+        for ms in (12.7, 11.4, 11.5):
+            assert model.choose(1, chain) == PLAIN  # exploring
+            model.observe(1, PLAIN, ms / 1000, [])
+        assert model.choose(1, chain) == chain
+        speculated = model.predicted_tokens_per_second(1, chain)
+        assert speculated > 1.5 * model.predicted_tokens_per_second(1, PLAIN, against=chain)
 
 
 def drive(

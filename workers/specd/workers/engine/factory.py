@@ -258,7 +258,7 @@ def load_models(
         if spec.speculative.adaptive.enabled:
             check_widest_rung_fits_context(spec_shape, spec.kv_cache.page_size, context_length)
         draft_free = spec.draft is not None and spec.draft.algorithm in DRAFT_FREE
-        spec_policy = SpecPolicy(spec.speculative, per_request=draft_free)
+        spec_policy = SpecPolicy(spec.speculative, draft_free=draft_free)
     draft_head = None
     if spec.has_draft_model:
         draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))

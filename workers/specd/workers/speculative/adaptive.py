@@ -105,9 +105,9 @@ class SpecPolicy:
 
     ``speculative`` is ``DeploymentSpec.speculative`` (``SpeculativeSpec``)."""
 
-    def __init__(self, speculative, per_request: bool = False):
-        """``per_request``: the cost model keeps each request's own acceptance (a
-        draft-free drafter's: ``CostModel.own_accepted``)."""
+    def __init__(self, speculative, draft_free: bool = False):
+        """``draft_free``: NGRAM or SUFFIX drafts, so the cost model keeps each request's
+        own acceptance (``CostModel.own_accepted``) and weighs ragged verifies."""
         self.fixed = speculative.initial_rung
         self.controller = (
             AdaptiveController(speculative.ladder, speculative.initial_rung, speculative.adaptive)
@@ -117,7 +117,9 @@ class SpecPolicy:
         policy = speculative.policy
         self.max_batch_for_spec = policy.max_batch_for_spec
         self.cost_model = (
-            CostModel(policy.cost_model, per_request) if policy.uses_cost_model else None
+            CostModel(policy.cost_model, per_request=draft_free, fixed_width=not draft_free)
+            if policy.uses_cost_model
+            else None
         )
 
     @property

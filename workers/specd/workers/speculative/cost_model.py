@@ -3,9 +3,11 @@
 Plain Python, no torch.  The engine feeds it the compute seconds of every verify step
 (``SpecPolicy.observe``).  It keeps:
 
-* per batch-size bucket (``batch_bucket``) and rung, the median of the newest
-  ``COST_WINDOW`` step times per request (``StepCost``): a median, since one step that
-  met a page fault or a GC pause must not decide for long;
+* per batch-size bucket (``batch_bucket``) and rung, the cost of a step per request
+  from its newest ``COST_WINDOW`` times (``StepCost``): the fastest, where every step
+  has one shape (plain; a draft model's trees), else their median less the slowed ones
+  (``typical``): noise only ever adds time, and steps that met a page fault, a GC pause
+  or a busy neighbour must not decide for long;
 * per speculating rung, an EMA of the accepted drafts per request, bonus excluded
   (acceptance does not depend on the batch size), moved by ``emaAlpha`` per verify batch
   of ``ACCEPTANCE_BATCH`` requests or more and by less for smaller ones; it starts as
@@ -80,6 +82,7 @@ SWITCH_MARGIN = 0.05  # the lead that turns a bucket's decision from its last wi
 PAIRED_STEPS = COST_WINDOW  # a bucket's steps within which two rungs' samples form a ratio
 RATIO_WINDOW = 5  # the newest cost ratios whose median is a rung's ratio to plain
 OWN_ALPHA = 0.5  # the weight of a request's newest sample in its own acceptance
+OUTLIER_FACTOR = 1.5  # a step time this many times the window's fastest is noise (typical)
 
 
 @dataclass(slots=True)
@@ -100,11 +103,23 @@ class Ema:
         self.value = sample if self.value is None else self.value + step * (sample - self.value)
 
 
+def typical(seconds: Sequence[float]) -> float:
+    """The cost that step times say: their median once the slowed ones are dropped (over
+    ``OUTLIER_FACTOR`` times the fastest).  Noise only ever adds time: a step that met a
+    neighbour's burst, a page fault or a GC pause took 2-7x as long as its neighbours on
+    the 2-core VM, while steps of one shape vary by a few percent.  A plain median of
+    three is two such steps away from deciding: two slow verifies at the end of batch 1's
+    exploration sent a 1.6x speculation to plain until its next rerun."""
+    fastest = min(seconds)
+    return statistics.median([s for s in seconds if s <= OUTLIER_FACTOR * fastest])
+
+
 @dataclass(slots=True)
 class StepCost:
     """One (bucket, rung)'s step times per request: the median of the newest ones, once
     there are ``MIN_SAMPLES`` past the dropped warm-up (kept as ``value``)."""
 
+    fixed: bool = False  # every step of this rung has one shape: its fastest is its cost
     seen: int = 0
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     at: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # their bucket steps
@@ -119,22 +134,28 @@ class StepCost:
         self.window.append(seconds_per_request)
         self.at.append(step)
         if len(self.window) >= MIN_SAMPLES:
-            self.value = statistics.median(self.window)
+            self.value = self._estimate(self.window)
         return True
+
+    def _estimate(self, seconds: Sequence[float]) -> float:
+        """The fastest for a fixed shape (noise only adds time), else ``typical``."""
+        return min(seconds) if self.fixed else typical(seconds)
 
     @property
     def step(self) -> int:
         """The bucket's step count at the newest counted sample (``window[-1]``)."""
         return self.at[-1] if self.at else 0
 
-    def recent(self) -> float:
+    def recent(self) -> float | None:
         """The median of the samples taken within ``PAIRED_STEPS`` bucket steps of the
-        newest: the cost now, where one slow step (a page fault, a neighbour's burst)
-        does not decide alone."""
-        newest = self.step - PAIRED_STEPS
-        return statistics.median(
-            [s for s, at in zip(self.window, self.at, strict=True) if at >= newest]
-        )
+        newest, less the slowed ones (over ``OUTLIER_FACTOR`` times the window's fastest):
+        the cost now; None when every recent sample was slowed (a page fault, a
+        neighbour's burst), so that no ratio is formed from noise alone."""
+        newest, ceiling = self.step - PAIRED_STEPS, OUTLIER_FACTOR * min(self.window)
+        recent = [
+            s for s, at in zip(self.window, self.at, strict=True) if at >= newest and s <= ceiling
+        ]
+        return self._estimate(recent) if recent else None
 
 
 @dataclass(slots=True)
@@ -154,16 +175,21 @@ class Bucket:
     def pair(self, measured: Rung) -> None:
         """``measured`` just counted a sample: with each other side (plain, or the
         speculating rungs) whose newest sample is within ``PAIRED_STEPS`` steps, it forms
-        a cost ratio of their recent medians (``StepCost.recent``)."""
+        a cost ratio of their recent medians (``StepCost.recent``), unless one side's
+        recent samples were all slowed."""
         plain = self.costs.get(PLAIN)
         if plain is None or not plain.window:
             return
         spec_rungs = [measured] if measured.speculates else [r for r in self.costs if r.speculates]
         for rung in spec_rungs:
             spec = self.costs[rung]
-            if spec.window and abs(spec.step - plain.step) <= PAIRED_STEPS:
-                ratios = self.ratios.setdefault(rung, deque(maxlen=RATIO_WINDOW))
-                ratios.append(spec.recent() / plain.recent())
+            if not spec.window or abs(spec.step - plain.step) > PAIRED_STEPS:
+                continue
+            spec_now, plain_now = spec.recent(), plain.recent()
+            if spec_now is not None and plain_now is not None:
+                self.ratios.setdefault(rung, deque(maxlen=RATIO_WINDOW)).append(
+                    spec_now / plain_now
+                )
 
     def current_costs(self, rung: Rung) -> tuple[float | None, float | None]:
         """(``rung``'s, plain's) seconds per request as of the newest measurement: the
@@ -238,9 +264,13 @@ class CostModel:
 
     ``params`` is ``speculative.policy.costModel`` (``CostModelSpec``)."""
 
-    def __init__(self, params, per_request: bool = False):
-        """``per_request``: also keep each request's own acceptance (``own_accepted``)."""
+    def __init__(self, params, per_request: bool = False, fixed_width: bool = False):
+        """``per_request``: also keep each request's own acceptance (``own_accepted``).
+        ``fixed_width``: every verify of a rung has one width (a draft model's trees;
+        draft-free drafters verify ragged batches), so a rung's cost is its fastest
+        recent step, as plain's always is."""
         self.params = params
+        self.fixed_width = fixed_width
         self._buckets: dict[int, Bucket] = {}  # by largest batch size
         self._accepted: dict[Rung, Ema] = {}  # speculating rung -> accepted drafts
         # rid -> (the rung, the request's own accepted drafts at it)
@@ -401,7 +431,10 @@ class CostModel:
             return
         state = self._buckets.setdefault(batch_bucket(batch_size), Bucket())
         state.steps += 1
-        if state.costs.setdefault(rung, StepCost()).add(seconds / batch_size, state.steps):
+        cost = state.costs.get(rung)
+        if cost is None:
+            cost = state.costs[rung] = StepCost(fixed=self.fixed_width or not rung.speculates)
+        if cost.add(seconds / batch_size, state.steps):
             state.pair(rung)
         self.observe_accepted(rung, accepted, rids)
 
