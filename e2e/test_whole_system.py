@@ -223,6 +223,7 @@ def _sdd_document(ray_address: str) -> dict[str, Any]:
     spec = doc["spec"]
     spec["model"]["path"] = str(MODELS / "demo-target")
     spec["draft"]["path"] = str(MODELS / "demo-eagle")
+    spec["draft"]["tokenMap"] = str(MODELS / "demo-eagle" / "token_map.json")
     spec["kvCache"]["maxTokens"] = 4096
     spec["resources"]["cpu"] = 1  # replicas and a rolling update's surge fit the 4-CPU Ray
     spec["ray"] = {"address": ray_address}
