@@ -233,15 +233,16 @@ def num_prompts(args, concurrency: int) -> int:
 def served_spec_copy(
     spec_file: Path, out: Path, cpu: float | None, spec_on: bool, stream_interval: int | None
 ) -> dict:
-    """A copy of an SDD YAML at ``out`` with absolute model and draft paths, the draft
+    """A copy of an SDD YAML at ``out`` with absolute model, draft and token map paths, the draft
     dropped unless ``spec_on``, ``resources.cpu`` and ``scheduler.streamInterval`` set
     when given; returns its document."""
     doc = yaml.safe_load(spec_file.read_text())
     spec = doc["spec"]
     spec["model"]["path"] = str((spec_file.parent / spec["model"]["path"]).resolve())
     if spec_on and "draft" in spec:
-        if "path" in spec["draft"]:  # NGRAM and SUFFIX draft without a model
-            spec["draft"]["path"] = str((spec_file.parent / spec["draft"]["path"]).resolve())
+        for key in ("path", "tokenMap"):  # NGRAM and SUFFIX draft without a model
+            if key in spec["draft"]:
+                spec["draft"][key] = str((spec_file.parent / spec["draft"][key]).resolve())
     else:
         spec.pop("draft", None)
         spec.pop("speculative", None)

@@ -128,8 +128,9 @@ def test_served_spec_copy(bench, tmp_path, spec_on):
     fields = bench.engine_fields(doc)
     assert ("draft" in fields and "speculative" in fields) == spec_on
     assert fields["kvCache"]["pageSize"] == 16 and "model" not in fields
-    if spec_on:
+    if spec_on:  # the in-process worker reads them from elsewhere
         assert Path(fields["draft"]["path"]).is_absolute()
+        assert Path(fields["draft"]["tokenMap"]).is_file()
 
 
 def test_table_ratios(bench):
