@@ -167,6 +167,19 @@ def test_maps_read_ascending_from_each_format(tmp_path):
         assert torch.equal(read_token_map(file, 10), want)
 
 
+def test_a_map_smaller_than_topk_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"spec\.draft\.tokenMap: .* 3 token ids, fewer than .* 4"
+    ):
+        mapped_engine(write(tmp_path, "m.json", [5, 6, 7]), topk=4)
+
+
+def test_an_oversized_map_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("specd.workers.model.token_map._MAX_FILE_BYTES", 10)
+    with pytest.raises(ModelLoadError, match="more than any vocabulary's map"):
+        read_token_map(write(tmp_path, "m.json", list(range(100))), 8192)
+
+
 def test_a_bad_map_stops_the_engine_from_loading(tmp_path):
     with pytest.raises(Exception, match="spec.draft.tokenMap"):
         start_engine(

@@ -262,6 +262,7 @@ def load_models(
     draft_head = None
     if spec.has_draft_model:
         draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))
+        check_draft_vocab_fits_topk(spec, draft_head.config)
     return Models(
         tokenizer=tokenizer,
         model=model,
@@ -295,6 +296,19 @@ def load_spec_draft(
         token_map=spec.draft.token_map,
         dtype=draft_dtype(spec, device),
     )
+
+
+def check_draft_vocab_fits_topk(spec: DeploymentSpec, draft: DraftConfig) -> None:
+    """Each draft step keeps its top-k of the draft's vocabulary: a token map (or an
+    EAGLE-3 vocabulary) must hold at least the widest rung's topk ids."""
+    assert spec.speculative is not None and spec.draft is not None
+    widest = max(rung.topk for rung in spec.speculative.ladder)
+    if draft.draft_vocab_size < widest:
+        source = "spec.draft.tokenMap" if spec.draft.token_map else "the draft's draft_vocab_size"
+        raise ConfigError(
+            f"{source}: the draft proposes from {draft.draft_vocab_size} token ids, fewer "
+            f"than spec.speculative's topk {widest}; list more ids or lower topk"
+        )
 
 
 def draft_dtype(spec: DeploymentSpec, device: torch.device) -> str:

@@ -15,6 +15,7 @@ tensor saved by ``torch.save`` (the format SGLang and FR-Spec publish).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from torch import nn
 from specd.workers.model.config import ModelLoadError
 
 FIELD = "spec.draft.tokenMap"
+_MAX_FILE_BYTES = 64 << 20  # a map of every id of a 1M-token vocabulary is ~8 MB of JSON
+Logits = Callable[[torch.Tensor], torch.Tensor]  # [M, H] -> [M, V] float32, every rank's
 _ROWS_PER_CHUNK = 256  # identity rows pushed through the head at once: bounds its output
 
 
@@ -31,6 +34,11 @@ def read_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
     file = Path(path)
     if not file.is_file():
         raise ModelLoadError(f"{FIELD}: {file} is not a file; give a token map's path")
+    if file.stat().st_size > _MAX_FILE_BYTES:
+        raise ModelLoadError(
+            f"{FIELD}: {file} is {file.stat().st_size} bytes, more than any vocabulary's map "
+            f"({_MAX_FILE_BYTES} bytes at most); give a list of token ids"
+        )
     ids = _ids_in(file)
     if not ids:
         raise ModelLoadError(f"{FIELD}: {file} lists no token ids; list the ids to draft")
@@ -74,7 +82,11 @@ def _ids_in(file: Path) -> list:
 
 @torch.inference_mode()
 def head_rows(
-    compute_logits, hidden_size: int, ids: torch.Tensor, head_dtype: torch.dtype, like: torch.Tensor
+    compute_logits: Logits,
+    hidden_size: int,
+    ids: torch.Tensor,
+    head_dtype: torch.dtype,
+    like: torch.Tensor,
 ):
     """The rows ``ids`` [N] of the linear head behind ``compute_logits`` ([M, H] of
     ``head_dtype`` -> [M, V] float32, all ranks' columns) as a [N, H] tensor on ``like``'s
@@ -94,7 +106,11 @@ def head_rows(
 
 
 def restricted_head(
-    compute_logits, hidden_size: int, ids: torch.Tensor, head_dtype: torch.dtype, like: torch.Tensor
+    compute_logits: Logits,
+    hidden_size: int,
+    ids: torch.Tensor,
+    head_dtype: torch.dtype,
+    like: torch.Tensor,
 ):
     """An ``nn.Linear`` (on ``like``'s device, of its dtype) scoring only ``ids``, with the
     rows of the head behind ``compute_logits`` (replicated on every rank: its logits need
