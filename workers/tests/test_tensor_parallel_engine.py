@@ -123,6 +123,15 @@ SPEC_CASES = {
     ),
     "tree-page1": pytest.param(dict(page_size=1, steps=2, topk=4), marks=pytest.mark.slow),
     "tree-page16": pytest.param(dict(page_size=16, steps=3, topk=4), marks=pytest.mark.slow),
+    "tree-token-map-bf16-draft": pytest.param(  # the map's head replicated on both ranks
+        dict(
+            page_size=16,
+            steps=3,
+            topk=2,
+            draft_fields={"tokenMap": f"{DEMO_EAGLE}/token_map.json", "dtype": "bfloat16"},
+        ),
+        marks=pytest.mark.slow,
+    ),
 }
 
 

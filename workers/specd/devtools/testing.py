@@ -226,11 +226,13 @@ def start_spec_engine(
     algorithm="EAGLE",
     overlap=False,
     policy=None,
+    draft_fields=None,
     **extra,
 ) -> Engine:
     """A speculative engine with strict leak checks; ``tokens`` defaults to the chain's
     ``steps + 1``, or for a tree ``min(topk * steps + 1, 2 * steps + 2)``; ``policy``:
-    ``speculative.policy`` (default: always speculate, ``pinned_speculation``)."""
+    ``speculative.policy`` (default: always speculate, ``pinned_speculation``);
+    ``draft_fields``: more ``spec.draft`` fields (a token map, a dtype)."""
     tokens = tokens or default_num_draft_tokens(steps, topk, cap=2 * steps + 2)
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if policy is not None:
@@ -239,7 +241,7 @@ def start_spec_engine(
         target,
         kvCache={"pageSize": page_size, "maxTokens": 4096},
         scheduler={"chunkedPrefillSize": 16, "overlap": overlap, **extra.pop("scheduler", {})},
-        draft={"path": draft, "algorithm": algorithm},
+        draft={"path": draft, "algorithm": algorithm, **(draft_fields or {})},
         speculative=speculative,
         debug={"strictMemCheck": 1},
         **extra,

@@ -41,7 +41,7 @@ from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaDecoderLayer
 from specd.workers.model.parallel import SINGLE_RANK, TpGroup, gather_logits
 from specd.workers.model.rope import RotaryEmbedding
-from specd.workers.model.token_map import restricted_head
+from specd.workers.model.token_map import Logits, restricted_head
 
 
 class EagleDecoderLayer(LlamaDecoderLayer):
@@ -112,7 +112,7 @@ class EagleDraftModel(nn.Module):
         """Whether draft ids are positions in a token map rather than target ids."""
         return self.token_ids is not None
 
-    def restrict_vocab(self, token_ids: torch.Tensor, target_logits) -> None:
+    def restrict_vocab(self, token_ids: torch.Tensor, target_logits: Logits) -> None:
         """Draft only ``token_ids`` [N] (ascending target ids): score them with their rows
         of the target's head (read through ``target_logits``) instead of the whole head."""
         like, head_dtype = self.fc.weight, self.embed_tokens.weight.dtype  # draft's, target's
