@@ -28,6 +28,7 @@ draft folder and chain length, when ``--vllm-python`` is given.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -177,8 +178,11 @@ def main(argv=None):
         token_map = str(shipped_map)
     chain_shape = (*map(int, args.chain.split(",")), args.page_size)
     tree_shape = (*map(int, args.tree.split(",")), args.page_size)
-    chain = spec_fields(args.draft, *chain_shape, token_map=token_map, draft_dtype=args.draft_dtype)
-    tree = spec_fields(args.draft, *tree_shape, token_map=token_map, draft_dtype=args.draft_dtype)
+    eagle_fields = functools.partial(  # the demo's draft settings on every EAGLE worker
+        spec_fields, args.draft, token_map=token_map, draft_dtype=args.draft_dtype
+    )
+    chain = eagle_fields(*chain_shape)
+    tree = eagle_fields(*tree_shape)
     plain = json.dumps({"kvCache": {"pageSize": args.page_size}})
     workers = [
         Worker("specd", py, args.target, "float32", max_batch, spec=plain),
@@ -186,9 +190,7 @@ def main(argv=None):
         Worker("specd", py, args.target, "float32", max_batch, "specd-tree", tree),
     ]
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
-        always = spec_fields(
-            args.draft, *shape, cost_model=False, token_map=token_map, draft_dtype=args.draft_dtype
-        )
+        always = eagle_fields(*shape, cost_model=False)
         workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))
     for algorithm, (kind, shape) in itertools.product(
         ("NGRAM", "SUFFIX"), (("chain", chain_shape), ("tree", tree_shape))
@@ -204,14 +206,7 @@ def main(argv=None):
         Worker("transformers-pld", py, args.target, "float32", max_batch),
     ]
     if args.overlap:
-        overlap = spec_fields(
-            args.draft,
-            *map(int, args.chain.split(",")),
-            args.page_size,
-            True,
-            token_map=token_map,
-            draft_dtype=args.draft_dtype,
-        )
+        overlap = eagle_fields(*chain_shape, overlap=True)
         workers.append(
             Worker("specd", py, args.target, "float32", max_batch, "specd-chain-overlap", overlap)
         )

@@ -116,8 +116,9 @@ def typical(seconds: Sequence[float]) -> float:
 
 @dataclass(slots=True)
 class StepCost:
-    """One (bucket, rung)'s step times per request: the median of the newest ones, once
-    there are ``MIN_SAMPLES`` past the dropped warm-up (kept as ``value``)."""
+    """One (bucket, rung)'s step times per request and its cost from the newest ones
+    (``_estimate``), once there are ``MIN_SAMPLES`` past the dropped warm-up (kept as
+    ``value``)."""
 
     fixed: bool = False  # every step of this rung has one shape: its fastest is its cost
     seen: int = 0
@@ -147,8 +148,8 @@ class StepCost:
         return self.at[-1] if self.at else 0
 
     def recent(self) -> float | None:
-        """The median of the samples taken within ``PAIRED_STEPS`` bucket steps of the
-        newest, less the slowed ones (over ``OUTLIER_FACTOR`` times the window's fastest):
+        """The cost (``_estimate``) of the samples taken within ``PAIRED_STEPS`` bucket
+        steps of the newest, less the slowed ones (over ``OUTLIER_FACTOR`` times the window's fastest):
         the cost now; None when every recent sample was slowed (a page fault, a
         neighbour's burst), so that no ratio is formed from noise alone."""
         newest, ceiling = self.step - PAIRED_STEPS, OUTLIER_FACTOR * min(self.window)
@@ -175,7 +176,7 @@ class Bucket:
     def pair(self, measured: Rung) -> None:
         """``measured`` just counted a sample: with each other side (plain, or the
         speculating rungs) whose newest sample is within ``PAIRED_STEPS`` steps, it forms
-        a cost ratio of their recent medians (``StepCost.recent``), unless one side's
+        a cost ratio of their recent costs (``StepCost.recent``), unless one side's
         recent samples were all slowed."""
         plain = self.costs.get(PLAIN)
         if plain is None or not plain.window:
