@@ -585,7 +585,7 @@ def test_a_draft_that_predicts_the_text_is_measured_and_followed():
     above on given costs): here both rungs are measured, the prediction is (1 +
     accepted drafts) / seconds per request, and the last decision took the faster."""
     status = run_hash_lines(cost_engine(DEMO_TARGET, DEMO_EAGLE))
-    [bucket] = status.cost_model.buckets
+    [bucket] = [b for b in status.cost_model.buckets if b.max_batch == 1]  # others: calibration
     [accepted] = status.cost_model.accepted_drafts
     assert accepted.steps == 3 and accepted.accepted_drafts > 2.0
     rungs = {r.steps: r for r in bucket.rungs}

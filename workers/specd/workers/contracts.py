@@ -111,9 +111,18 @@ class RungAcceptance(_Contract):
     accepted_drafts: float | None  # EMA of accepted drafts per request (bonus excluded)
 
 
+class CostCalibration(_Contract):
+    """The step costs measured at load on made-up batches (``engine/calibration.py``)."""
+
+    batch_sizes: tuple[int, ...]  # as run (``costModel.calibrationBatchSizes``, clipped)
+    steps: int
+    seconds: float
+
+
 class CostModelStatus(_Contract):
     """The cost model's inputs and decisions (``speculative/cost_model.py``)."""
 
+    calibration: CostCalibration | None  # None: none ran (off, or a draft-free drafter)
     explorations: int
     catch_up_seconds_per_token: float | None  # the draft reading deferred tokens
     accepted_drafts: tuple[RungAcceptance, ...]

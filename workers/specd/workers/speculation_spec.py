@@ -145,6 +145,14 @@ class CostModelSpec(SpecModel):
         le=100_000,
         description="Decisions per batch-size bucket between re-runs of the losing choice",
     )
+    calibration_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        [1, 8, 32],
+        max_length=8,
+        description="Batch sizes whose speculating and plain step costs are measured at "
+        "load, on made-up prompts, before the replica serves (a draft model's drafters; "
+        "sizes above maxRunningRequests run at that size); [] learns them online "
+        "only",
+    )
 
 
 class SpeculationPolicySpec(SpecModel):

@@ -120,6 +120,10 @@ class StepExecutor(ABC):
     def capture_graphs(self, sizes: list[int]) -> None:
         """Capture this executor's CUDA graphs for batches of ``sizes`` requests."""
 
+    @abstractmethod
+    def publish_info(self) -> None:
+        """Set the gauges that describe this executor (not its steps)."""
+
 
 class PlainExecutor(StepExecutor):
     """Plain decode: prefill chunks and decodes in one batch; under overlap every batch is
@@ -145,6 +149,9 @@ class PlainExecutor(StepExecutor):
     def capture_graphs(self, sizes: list[int]) -> None:
         self.graphs = self.runner.enable_decode_graphs(sizes, self.runner.req_pool.width)
         self.graphs.capture()
+
+    def publish_info(self) -> None:
+        """Nothing: plain decode has no drafter."""
 
 
 # plain batches the policy chose leave the draft's extend for later (deferred_extend.py);
@@ -186,10 +193,14 @@ class SpeculativeExecutor(StepExecutor):
         self.policy = policy
         self.graph_rungs = list(graph_rungs)
         self.metrics = metrics
-        metrics.spec_adaptive_steps.set(policy.active.steps)
-        metrics.spec_draft_info.labels(metrics.replica, decoder.algorithm).set(1)
+        self.publish_info()
         scheduler.on_release = self._forget_draft_state
         self._backlogs: dict[str, int] = {}  # rid -> deferred tokens the draft has not read
+
+    def publish_info(self) -> None:
+        """The drafter and the active rung's steps."""
+        self.metrics.spec_adaptive_steps.set(self.policy.active.steps)
+        self.metrics.spec_draft_info.labels(self.metrics.replica, self.decoder.algorithm).set(1)
 
     def schedule(self) -> ScheduledBatch | None:
         start = time.perf_counter()

@@ -270,5 +270,10 @@ class EngineMetrics:
         if predicted is not None:
             self.spec_cost_predicted.labels(*labels).set(predicted)
 
+    def start_over(self) -> None:
+        """Forget everything counted so far (the load's calibration ran made-up
+        requests): every metric back at its initial value, in a fresh registry."""
+        self.__init__(self.replica)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,6 +186,21 @@ class KVManager:
         return replaced
 
     @contextmanager
+    def uncached(self) -> Iterator[None]:
+        """Requests run meanwhile neither borrow from nor fill the prefix cache (made-up
+        prompts: the load's calibration).  Only while no request holds KV, so that none
+        borrows pages across it."""
+        if self._live:
+            raise AssertionError(
+                f"{len(self._live)} requests hold KV: the cache cannot be set aside"
+            )
+        cache, self.cache = self.cache, None
+        try:
+            yield
+        finally:
+            self.cache = cache
+
+    @contextmanager
     def batched_writes(self) -> Iterator[None]:
         """Inside, ``grow`` queues its ``req_to_token`` writes and they go out as one op at
         the end (one launch per scheduled batch instead of one per request).  Nothing may

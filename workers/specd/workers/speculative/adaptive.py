@@ -121,6 +121,16 @@ class SpecPolicy:
             if policy.uses_cost_model
             else None
         )
+        # while set, the load's calibration (``engine/calibration.py``): every verify batch
+        # runs this rung and only its step cost is measured
+        self.calibrating: Rung | None = None
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the cost model's step costs can be measured at load: it decides, and
+        a draft model drafts (a verify's width does not depend on the text; a draft-free
+        drafter's made-up prompts would match nothing and verify root-only)."""
+        return self.cost_model is not None and self.cost_model.fixed_width
 
     @property
     def active(self) -> Rung:
@@ -137,6 +147,8 @@ class SpecPolicy:
         None when it speculates).  ``backlog``: the mean tokens per request the draft has
         not read (``deferred_extend.py``); ``tokens_left``: per request, the tokens it
         may still produce (``cost_model.tokens_per_verify``); ``rids``: theirs."""
+        if self.calibrating is not None:
+            return self.calibrating, None if self.calibrating.speculates else PlainReason.COST
         rung = self.active
         if not rung.speculates:
             return rung, PlainReason.RUNG
@@ -162,7 +174,11 @@ class SpecPolicy:
     ) -> None:
         """Feed a processed batch of ``batch_size`` requests (``rids``): its accepted
         drafts per request (probe hits on the plain rung, none when it skipped the
-        probe) and its compute seconds."""
+        probe) and its compute seconds.  While calibrating only the seconds count: a
+        made-up prompt's acceptance says nothing of real text."""
+        if self.calibrating is not None:
+            self.cost_model.observe(batch_size, rung, seconds, ())
+            return
         if self.cost_model is not None:
             self.cost_model.observe(batch_size, rung, seconds, accepted, rids)
         if self.controller is not None and plain_reason in (None, PlainReason.RUNG):

@@ -67,6 +67,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specd.workers.contracts import CostCalibration
 from specd.workers.rung import PLAIN, Rung
 
 FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
@@ -278,6 +279,7 @@ class CostModel:
         self._own: dict[str, tuple[Rung, Ema]] | None = {} if per_request else None
         self._catch_up = Ema(params.ema_alpha)  # draft seconds per deferred token
         self.explorations = 0
+        self.calibration: CostCalibration | None = None  # the load's, once run
 
     def seconds_per_request(
         self, bucket: int, rung: Rung, against: Rung | None = None
@@ -439,6 +441,13 @@ class CostModel:
             state.pair(rung)
         self.observe_accepted(rung, accepted, rids)
 
+    def samples(self, batch_size: int, rung: Rung) -> int:
+        """Step times seen so far for ``batch_size``'s bucket at ``rung`` (warm-up
+        included)."""
+        state = self._buckets.get(batch_bucket(batch_size))
+        cost = None if state is None else state.costs.get(rung)
+        return 0 if cost is None else cost.seen
+
     def observe_accepted(
         self, rung: Rung, accepted: Sequence[int], rids: Sequence[str | None] = ()
     ) -> None:
@@ -467,6 +476,7 @@ class CostModel:
     def status(self) -> dict:
         """Per bucket measured so far: each rung's cost and prediction, and the winner."""
         return {
+            "calibration": None if self.calibration is None else self.calibration.model_dump(),
             "explorations": self.explorations,
             "catch_up_seconds_per_token": _rounded(self._catch_up.value, 7),
             "accepted_drafts": [
