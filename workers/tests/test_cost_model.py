@@ -191,6 +191,50 @@ def test_a_batch_growing_from_1_to_32_switches_where_the_costs_say():
     assert [n for n in decided if not decided[n].speculates] == list(range(11, 33))
 
 
+def test_a_size_between_measured_buckets_decides_without_exploring():
+    """Buckets 8 and 32 measured (as a calibration at load leaves them): a batch of 20
+    takes both step times from the line between theirs and runs the winner at once; a
+    batch of 40, past the largest measured bucket, explores."""
+
+    def costs(size, rung):
+        fixed, per_token = 0.0205, 0.002
+        return fixed + per_token * size * rung.draft_tokens
+
+    model = CostModel(CostModelSpec())
+    for size in (8, 32):
+        for _ in range(8):
+            drive(model, size, costs, accepted=1.5)
+    explored = model.explorations
+    spec, plain = model.interpolated(20, CHAIN)
+    assert spec == pytest.approx(costs(20, CHAIN) / 20) and plain == pytest.approx(
+        costs(20, PLAIN) / 20
+    )
+    assert drive(model, 20, costs, accepted=1.5) == PLAIN  # 2.5 / 0.1805 < 1 / 0.0605
+    assert model.explorations == explored
+    assert model.interpolated(40, CHAIN) is None and model.interpolated(4, CHAIN) is None
+    assert drive(model, 40, costs, accepted=1.5) == CHAIN  # explores its cost
+    assert model.explorations == explored + 1
+
+
+def test_a_measured_side_keeps_its_cost_and_the_other_follows_the_interpolated_ratio():
+    """Bucket 20 has run plain only, at twice the step time the line between buckets 8
+    and 32 says (its requests' contexts grew since): the chain's cost there is plain's
+    times the interpolated ratio, not the line's own value."""
+
+    def costs(size, rung):
+        return 0.0205 + 0.002 * size * rung.draft_tokens
+
+    model = CostModel(CostModelSpec())
+    for size in (8, 32):
+        for _ in range(8):
+            drive(model, size, costs, accepted=1.5)
+    for _ in range(3):
+        model.observe(20, PLAIN, 2 * costs(20, PLAIN), [])
+    spec, plain = model.costs(20, CHAIN)
+    assert plain == pytest.approx(2 * costs(20, PLAIN) / 20)
+    assert spec / plain == pytest.approx(costs(20, CHAIN) / costs(20, PLAIN))
+
+
 def spec_runs(model, costs, n, backlog=0.0) -> list[int]:
     """The decisions (1-based) among the next ``n`` that ran the speculating rung."""
     runs = [drive(model, 8, costs, accepted=2.0, backlog=backlog) for _ in range(n)]

@@ -285,21 +285,63 @@ class CostModel:
         self, bucket: int, rung: Rung, against: Rung | None = None
     ) -> float | None:
         """A verify step's seconds per request, as of the bucket's newest measurement
-        (``Bucket.current_costs``; plain's as weighed against the speculating rung
-        ``against``, by default the last decision's); plain's includes the draft's
-        catch-up on the tokens it deferred."""
+        (``costs``; plain's as weighed against the speculating rung ``against``, by
+        default the last decision's); plain's includes the draft's catch-up on the
+        tokens it deferred."""
         state = self._buckets.get(bucket)
-        if state is None:
-            return None
         if rung.speculates:
-            return state.current_costs(rung)[0]
-        against = against or state.rival
+            return self.costs(bucket, rung)[0]
+        against = against or (state.rival if state is not None else None)
         if against is not None:
-            seconds = state.current_costs(against)[1]
+            seconds = self.costs(bucket, against)[1]
         else:
-            cost = state.costs.get(PLAIN)
+            cost = None if state is None else state.costs.get(PLAIN)
             seconds = None if cost is None else cost.value
         return None if seconds is None else seconds + (self._catch_up.value or 0.0)
+
+    def costs(self, bucket: int, rung: Rung) -> tuple[float | None, float | None]:
+        """(``rung``'s, plain's) seconds per request in ``bucket``: its own measurements
+        (``Bucket.current_costs``), with what it lacks filled in from the measured
+        buckets around it (``interpolated``): a side it measured keeps its cost and the
+        other follows by their interpolated ratio."""
+        state = self._buckets.get(bucket)
+        spec, plain = (None, None) if state is None else state.current_costs(rung)
+        if spec is not None and plain is not None:
+            return spec, plain
+        guess = self.interpolated(bucket, rung)
+        if guess is None:
+            return spec, plain
+        ratio = guess[0] / guess[1]
+        if spec is not None:
+            return spec, spec / ratio
+        if plain is not None:
+            return plain * ratio, plain
+        return guess
+
+    def interpolated(self, bucket: int, rung: Rung) -> tuple[float, float] | None:
+        """(``rung``'s, plain's) seconds per request in ``bucket`` from the nearest
+        buckets below and above it where both are measured: a step's time is a fixed
+        part plus a part per request, so each rung's step time lies on the line between
+        theirs.  None unless ``bucket`` lies between two such buckets: a calibration at
+        1, 8 and 32 (``engine/calibration.py``) so spares the sizes between them their
+        explorations (a ragged tail meets one new bucket after another)."""
+        below = above = None
+        for size, state in self._buckets.items():
+            measured = state.current_costs(rung)
+            if size == bucket or None in measured:
+                continue
+            if size < bucket and (below is None or size > below[0]):
+                below = (size, *measured)
+            elif size > bucket and (above is None or size < above[0]):
+                above = (size, *measured)
+        if below is None or above is None:
+            return None
+        (low, *low_costs), (high, *high_costs) = below, above
+        share = (bucket - low) / (high - low)
+        return tuple(
+            ((1 - share) * low * a + share * high * b) / bucket
+            for a, b in zip(low_costs, high_costs, strict=True)
+        )
 
     def accepted_drafts(self, rung: Rung) -> float | None:
         """The rung's accepted drafts per request; None until ``ACCEPTANCE_BATCH``
@@ -369,7 +411,7 @@ class CostModel:
             return self._explore(rung)
         if plain is None:
             return self._explore(PLAIN)
-        state = self._buckets[bucket]
+        state = self._buckets.setdefault(bucket, Bucket())  # new: its costs interpolated
         best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
         every = self.params.reexplore_every
