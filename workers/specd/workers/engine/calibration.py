@@ -7,11 +7,12 @@ learn from real text.  Measurement goes on online from there.
 The made-up requests are the engine's own (scheduler, KV, draft state), without a
 stream: nothing is sent, the prefix cache is set aside (``KVManager.uncached``), their
 acceptance is not counted (``SpecPolicy.calibrating``), and the engine's metrics start
-over afterwards (``Engine._calibrate``).
+over afterwards (``calibrate_at_load``).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,8 @@ from specd.workers.scheduler.scheduler import Scheduler
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.cost_model import FIRST_SAMPLES_DROPPED, MIN_SAMPLES
 from specd.workers.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 64  # per made-up prompt, at most (``CalibrationPlan.prompt_tokens``)
 STEPS_PER_RUNG = FIRST_SAMPLES_DROPPED + MIN_SAMPLES  # a rung's steps per batch size
@@ -75,6 +78,47 @@ def made_up_prompt(seed: int, length: int, vocab_size: int) -> list[int]:
     them, and a verify's width (a draft model's tree) is the same as on real text."""
     draw = random.Random(seed)
     return [draw.randrange(vocab_size) for _ in range(length)]
+
+
+def calibrate_at_load(engine) -> None:
+    """Measure a loaded ``Engine``'s step costs on made-up batches before it serves
+    (where its cost model decides and a draft model drafts), then start its metrics over
+    and check that every KV slot came back.  (The engine is not imported here: it
+    imports this module.)"""
+    policy, spec = engine.spec_policy, engine.spec
+    if policy is None or not policy.calibrates:
+        return
+    plan = CalibrationPlan.of(
+        policy.cost_model.params.calibration_batch_sizes,
+        max_running=spec.max_running_requests,
+        kv_tokens=engine.allocator.total_tokens,
+        context_length=engine.context_length,
+        chunk_tokens=spec.scheduler.chunked_prefill_size,
+        verify_tokens=max(rung.draft_tokens for rung in spec.speculative.ladder) + 1,
+    )
+    if plan is None:
+        return
+    try:
+        report = calibrate(
+            plan,
+            policy,
+            engine.pipeline,
+            engine.scheduler,
+            engine.kv,
+            engine.model_config.vocab_size,
+        )
+    except Exception as err:
+        raise RuntimeError(
+            f"the cost model's calibration at load failed ({type(err).__name__}: {err}); "
+            "spec.speculative.policy.costModel.calibrationBatchSizes: [] skips it"
+        ) from err
+    policy.cost_model.calibration = report
+    log.info("engine %s: cost model calibrated: %s", engine.replica, report)
+    engine.scheduler.take_step_stats()
+    engine.metrics.start_over()
+    engine.metrics.kv_tokens_total.set(engine.allocator.total_tokens)
+    engine.executor.publish_info()
+    engine.leak_checks.run("idle")
 
 
 def calibrate(

@@ -26,7 +26,7 @@ import torch
 from specd.workers.bench_knobs import BenchKnobs
 from specd.workers.config import DeploymentSpec
 from specd.workers.contracts import EngineStatus, PrefixCacheShape
-from specd.workers.engine.calibration import CalibrationPlan, calibrate
+from specd.workers.engine.calibration import calibrate_at_load
 from specd.workers.engine.compute import (
     Compute,
     call_into,
@@ -115,7 +115,8 @@ class Engine:
             self._compute.run(self._load)
             if self._compute.threaded:
                 single_threaded_torch_in_this_thread()
-            self._calibrate()
+            calibrate_at_load(self)
+            self._refresh_status()
         except BaseException as err:  # handed to start()'s caller
             self._compute.shutdown()
             ready.put(err)
@@ -135,8 +136,7 @@ class Engine:
         )
         models, memory = parts.models, parts.memory
         self.tokenizer, self.model = models.tokenizer, models.model
-        self.model_config = models.config
-        self.draft_head = models.draft_head
+        self.model_config, self.draft_head = models.config, models.draft_head
         self.context_length = models.context_length
         self.eos_token_ids = models.eos_token_ids
         self.sampling_defaults = models.sampling_defaults
@@ -161,42 +161,6 @@ class Engine:
         self.leak_checks = LeakChecks(
             self.scheduler, self.sessions, self.kv, self.metrics, strict=self.strict_mem_check
         )
-        self._refresh_status()
-
-    def _calibrate(self) -> None:
-        """Measure the cost model's step costs on made-up batches before serving
-        (``calibration.py``), then start the metrics over and check that every slot
-        came back."""
-        policy = self.spec_policy
-        if policy is None or not policy.calibrates:
-            return
-        plan = CalibrationPlan.of(
-            policy.cost_model.params.calibration_batch_sizes,
-            max_running=self.spec.max_running_requests,
-            kv_tokens=self.allocator.total_tokens,
-            context_length=self.context_length,
-            chunk_tokens=self.spec.scheduler.chunked_prefill_size,
-            verify_tokens=max(rung.draft_tokens for rung in self.spec.speculative.ladder) + 1,
-        )
-        if plan is None:
-            return
-        try:
-            report = calibrate(
-                plan, policy, self.pipeline, self.scheduler, self.kv, self.model_config.vocab_size
-            )
-        except Exception as err:
-            raise RuntimeError(
-                f"the cost model's calibration at load failed ({type(err).__name__}: {err}); "
-                "spec.speculative.policy.costModel.calibrationBatchSizes: [] skips it"
-            ) from err
-        policy.cost_model.calibration = report
-        log.info("engine %s: cost model calibrated: %s", self.replica, report)
-        self.scheduler.take_step_stats()
-        self.metrics.start_over()
-        self.metrics.kv_tokens_total.set(self.allocator.total_tokens)
-        self.executor.publish_info()
-        self.leak_checks.run("idle")
-        self._refresh_status()
 
     def _graph_status(self) -> dict:
         if self.graphs is None:
