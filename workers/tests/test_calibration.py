@@ -51,11 +51,19 @@ def test_a_plan_fits_the_context_and_the_prefill_chunk():
     assert short.max_tokens >= 8 * 8 // 16 + 2 * 3 * 5
 
 
+def test_a_size_too_large_for_the_context_is_left_out_not_the_rest():
+    """1,024 made-up requests would each need an output longer than a 512-token context
+    (a plain decode per prefill step beside the others' prompts): that size is left
+    out, 1 and 8 still run."""
+    fitted = plan([1, 8, 1024], max_running=4096, context_length=512, chunk_tokens=16)
+    assert fitted.batch_sizes == (1, 8)
+
+
 @pytest.mark.parametrize(
     "asked, fields",
     [
         ([], {}),  # off
-        ([1, 8], {"context_length": 64}),  # no room for a request
+        ([1, 8], {"context_length": 32}),  # no room for a request
         ([1, 8], {"kv_tokens": 10}),  # no room in the pool
     ],
     ids=["off", "context", "pool"],

@@ -55,22 +55,40 @@ class CalibrationPlan:
         verify_tokens: int,
     ) -> CalibrationPlan | None:
         """``asked`` clipped to what the replica can run: at most ``max_running``
-        requests, and as many as half the KV pool holds.  A prompt takes at most
-        ``PROMPT_TOKENS`` and a quarter of the context, and the largest batch's prompts
-        about four prefill chunks of ``chunk_tokens``; a request's output has room for
-        the plain decodes beside the other prompts' chunks and two rungs' steps of up to
-        ``verify_tokens`` each.  None: nothing to run (none asked, or no room)."""
-        if not asked:
-            return None
-        widest = min(max(asked), max_running)
+        requests, as many as half the KV pool holds, and without the largest sizes
+        whose requests would not fit the context (``_fitted``).  None: nothing to run
+        (none asked, or no room)."""
+        sizes = sorted({min(size, max_running) for size in asked})
+        while sizes:
+            plan = cls._fitted(sizes, kv_tokens, context_length, chunk_tokens, verify_tokens)
+            if plan is not None:
+                return plan
+            sizes.pop()
+        return None
+
+    @classmethod
+    def _fitted(
+        cls,
+        sizes: list[int],
+        kv_tokens: int,
+        context_length: int,
+        chunk_tokens: int,
+        verify_tokens: int,
+    ) -> CalibrationPlan | None:
+        """A prompt takes at most ``PROMPT_TOKENS`` and a quarter of the context, and
+        the largest batch's prompts about four prefill chunks of ``chunk_tokens``; a
+        request's output has room for the plain decodes beside the other prompts'
+        chunks and two rungs' steps of up to ``verify_tokens`` each.  None: such a
+        request does not fit the context, or no size fits the pool."""
+        widest = sizes[-1]
         prompt = min(PROMPT_TOKENS, context_length // 4, max(4 * chunk_tokens // widest, 8))
         prefill_steps = -(-widest * prompt // chunk_tokens) + widest
         max_tokens = prefill_steps + 2 * STEPS_PER_RUNG * verify_tokens + 4
         if prompt < 1 or prompt + max_tokens + verify_tokens >= context_length:
             return None
         fits = kv_tokens // (2 * (prompt + max_tokens + verify_tokens))
-        sizes = sorted({min(size, max_running, fits) for size in asked} - {0})
-        return cls(tuple(sizes), prompt, max_tokens) if sizes else None
+        fitted = sorted({min(size, fits) for size in sizes} - {0})
+        return cls(tuple(fitted), prompt, max_tokens) if fitted else None
 
 
 def made_up_prompt(seed: int, length: int, vocab_size: int) -> list[int]:
