@@ -228,6 +228,10 @@ def _sdd_document(ray_address: str) -> dict[str, Any]:
     spec["resources"]["cpu"] = 1  # replicas and a rolling update's surge fit the 4-CPU Ray
     spec["ray"] = {"address": ray_address}
     spec["speculative"]["minAcceptLength"] = 1.0
+    # calibrate batch 1 only: up to four 1-CPU engines share 2 cores during the roll, and
+    # batches of 8 and 32 at load cost each new replica tens of seconds there
+    policy = spec["speculative"].setdefault("policy", {})
+    policy.setdefault("costModel", {})["calibrationBatchSizes"] = [1]
     return doc
 
 
