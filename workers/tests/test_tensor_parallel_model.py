@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specd.devtools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
-from specd.devtools.tp_ranks import model_trace, run_on_ranks
+from specd.devtools.tp_ranks import model_trace, run_on_ranks, stalled_collective
 from specd.workers.cli import EXIT_INVALID, main
 from specd.workers.model.config import ModelLoadError, load_model_config
 from specd.workers.model.llama import LlamaForCausalLM
@@ -180,3 +180,11 @@ def test_validate_accepts_a_tensor_size_that_splits_model_and_draft(tiny_models,
     head = {"apiVersion": "specd.dev/v1alpha1", "kind": "SpecDecodeDeployment"}
     file.write_text(json.dumps(head | {"metadata": {"name": "tp"}, "spec": spec}))
     assert main(["validate", str(file)]) == 0, capsys.readouterr().err
+
+
+def test_a_group_formed_with_a_long_timeout_then_fails_a_stalled_call_after_its_own():
+    """A group formed with a 120 s timeout (a replica's ranks meet and load with a long
+    one; one rank joins 5 s late) set to 2 s: a collective the last rank stalls fails
+    on rank 0 after about 2 s."""
+    (waited, error), _ = run_on_ranks(2, stalled_collective, 2.0, 8.0, late_s=5)
+    assert error and 1.5 < waited < 6, (waited, error)

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -29,27 +30,40 @@ from specd.workers.model.eagle3 import Eagle3DraftModel
 from specd.workers.model.forward_context import ForwardContext
 from specd.workers.model.llama import LlamaAttention
 from specd.workers.model.loader import load_model
-from specd.workers.model.parallel import SINGLE_RANK, TpGroup, init_tensor_parallel
+from specd.workers.model.parallel import (
+    SINGLE_RANK,
+    TpGroup,
+    init_tensor_parallel,
+    set_group_timeout,
+)
+
+RANK_START_S = 60  # a fresh process imports torch and specd before it joins
 
 
-def run_on_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120) -> list:
+def run_on_ranks(
+    size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120, late_s: float = 0.0
+) -> list:
     """``fn(tp, *args)`` on each of ``size`` ranks (``fn`` importable, args picklable);
     -> the ranks' results in rank order.  A rank's exception is raised here with its
-    traceback; a rank that neither returns nor fails within ``timeout_s`` is killed."""
+    traceback; a rank that neither returns nor fails within ``timeout_s`` (plus its
+    start and ``late_s``) is killed.  The last rank joins the group ``late_s`` after the others."""
     context = mp.get_context("spawn")
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{Path(tmp) / 'rendezvous'}"
         box = context.Queue()
         ranks = [
-            context.Process(target=_rank_main, args=(r, size, init, timeout_s, box, fn, args))
+            context.Process(
+                target=_rank_main,
+                args=(r, size, init, timeout_s, box, fn, args, late_s if r == size - 1 else 0),
+            )
             for r in range(size)
         ]
         for process in ranks:
             process.start()
         try:
             while len(results) < size:
-                rank, ok, value = box.get(timeout=timeout_s)
+                rank, ok, value = box.get(timeout=RANK_START_S + late_s + timeout_s)
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
                 results[rank] = pickle.loads(value)
@@ -63,8 +77,9 @@ def run_on_ranks(size: int, fn: Callable[..., Any], *args: Any, timeout_s: float
     return [results[r] for r in range(size)]
 
 
-def _rank_main(rank, size, init, timeout_s, box, fn, args) -> None:
+def _rank_main(rank, size, init, timeout_s, box, fn, args, late_s) -> None:
     torch.set_num_threads(1)
+    time.sleep(late_s)
     try:
         tp = init_tensor_parallel(rank, size, init, timeout_s, "gloo") if size > 1 else SINGLE_RANK
         # plain pickle: tensors travel as bytes, not as shared memory that dies with this process
@@ -74,6 +89,24 @@ def _rank_main(rank, size, init, timeout_s, box, fn, args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def stalled_collective(tp: TpGroup, timeout_s: float, stall_s: float) -> tuple[float, str]:
+    """The group's timeout set to ``timeout_s``; one all-reduce; then the last rank
+    stalls ``stall_s`` and rank 0 runs another.
+    -> (seconds rank 0's second all-reduce took, its error's type name or "")."""
+    set_group_timeout(tp.group, timeout_s)
+    x = torch.ones(4)
+    tp.all_reduce(x)
+    if tp.rank == tp.size - 1:
+        time.sleep(stall_s)
+        return stall_s, ""
+    started = time.monotonic()
+    try:
+        tp.all_reduce(x)
+    except RuntimeError as err:
+        return time.monotonic() - started, type(err).__name__
+    return time.monotonic() - started, ""
 
 
 @dataclasses.dataclass

@@ -295,7 +295,8 @@ class ParallelismSpec(SpecModel):
         120,
         gt=0,
         description="How long a collective between a replica's ranks may wait; past it "
-        "the replica is reported failed (and replaced), never left hanging",
+        "the replica is reported failed (and replaced), never left hanging (while the ranks "
+        "start and load, they have 600 s)",
     )
 
 

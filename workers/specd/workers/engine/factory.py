@@ -133,7 +133,7 @@ def build_engine_parts(
     if device.type == "cpu":  # each rank has its CPUs (as Ray gives the other ranks)
         torch.set_num_threads(max(1, int(spec.resources.cpu)))
     tp, wire = join_rank_group(rendezvous, 0, device)
-    leader = RankLeader(wire, tick_every_s=rendezvous.timeout_s / 4)
+    leader = RankLeader(wire, rendezvous.timeout_s)
     try:
         return build_parts(spec, device, knobs, metrics, compute, tp, leader)
     except BaseException:
@@ -234,7 +234,7 @@ def build_follower(
         models["draft"] = draft
         shapes["draft"] = local_pool_shape(draft_config.model, draft_config.num_kv_layers, tp.size)
     dtype = next(model.parameters()).dtype
-    return RankFollower(wire, models, shapes, dtype, device)
+    return RankFollower(wire, models, shapes, dtype, device, rendezvous.timeout_s)
 
 
 def local_pool_shape(config: ModelConfig, num_layers: int, tensor: int) -> PoolShape:

@@ -45,6 +45,10 @@ from specd.workers.model.parallel import TpGroup, init_tensor_parallel
 
 # the target's and the draft's methods that run collectives (the others are local)
 MIRRORED_METHODS = frozenset({"__call__", "forward_with_aux", "compute_logits"})
+# How long the ranks may take to meet, load their shards (collectives at load included)
+# and trade the KV layout: a busy node starts the other ranks' actors late, and they load
+# at their own pace.  From the KV layout on, the group's timeout is the spec's.
+RANK_START_TIMEOUT_S = 600.0
 RANK_END_GRACE_S = 2.0  # how long a failed call waits to learn which rank ended
 
 
@@ -55,7 +59,8 @@ class RankGroupError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class RankRendezvous:
     """Where a replica's ranks meet: rank 0's ``tcp://host:port``, the group's size, and
-    how long any collective may wait (``spec.parallelism.collectiveTimeoutSeconds``)."""
+    how long any collective may wait once the group serves
+    (``spec.parallelism.collectiveTimeoutSeconds``)."""
 
     init_method: str
     size: int
@@ -65,14 +70,14 @@ class RankRendezvous:
 def join_rank_group(
     rendezvous: RankRendezvous, rank: int, device: torch.device
 ) -> tuple[TpGroup, RankWire]:
-    """Join the group (NCCL on CUDA, gloo on CPU) and the gloo group records travel on."""
+    """Join the group (NCCL on CUDA, gloo on CPU) and the gloo group records travel on,
+    both with ``RANK_START_TIMEOUT_S`` until the KV layout has crossed (`RankWire.set_timeout`)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    tp = init_tensor_parallel(
-        rank, rendezvous.size, rendezvous.init_method, rendezvous.timeout_s, backend
-    )
+    timeout_s = max(rendezvous.timeout_s, RANK_START_TIMEOUT_S)
+    tp = init_tensor_parallel(rank, rendezvous.size, rendezvous.init_method, timeout_s, backend)
     control = tp.group
     if backend != "gloo":  # new_group's own default timeout is 30 min: pass the group's
-        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=rendezvous.timeout_s))
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return tp, RankWire(control, tp.group, device)
 
 
@@ -93,7 +98,7 @@ class PoolShape:
 class RankLeader:
     """Rank 0's end of the wire."""
 
-    def __init__(self, wire: RankWire, tick_every_s: float):
+    def __init__(self, wire: RankWire, timeout_s: float):
         self.wire = wire
         self.error: str | None = None
         self._rank_ended = threading.Event()
@@ -102,13 +107,16 @@ class RankLeader:
         self._pools: dict[int, PoolName] = {}  # id(planes) -> the pool's name
         self._last_sent = time.monotonic()
         self._closed = threading.Event()
-        self._tick_every_s = tick_every_s
+        self._timeout_s = timeout_s
+        self._tick_every_s = timeout_s / 4
         self._ticker = threading.Thread(target=self._tick, name="specd-rank-ticks", daemon=True)
 
     def start(self, layout: KVLayout, pools: dict[PoolName, KVPool]) -> None:
-        """Send the KV layout the other ranks build their pools from; start ticking."""
+        """Send the KV layout the other ranks build their pools from; from then on the
+        group's calls time out after the spec's timeout; start ticking."""
         self._pools = {id(pool.planes): name for name, pool in pools.items()}
         self.run(layout, lambda: None)
+        self.wire.set_timeout(self._timeout_s)
         self._ticker.start()
 
     def run(self, record: Record, local: Callable[[], Any]) -> Any:
@@ -228,9 +236,11 @@ class RankFollower:
         pool_shapes: dict[PoolName, PoolShape],
         dtype: torch.dtype,
         device: torch.device,
+        timeout_s: float,
     ):
         self.wire, self.models, self.pool_shapes = wire, models, pool_shapes
         self.dtype, self.device = dtype, device
+        self.timeout_s = timeout_s  # the group's, once the KV layout has crossed
         self.pools: dict[PoolName, KVPool] = {}
         self.backend: Any = None  # rank 0's choice, from its `KVLayout`
 
@@ -247,6 +257,7 @@ class RankFollower:
         }
         self.backend = get_backend(layout.backend_name, self.device.type, self.dtype)
         ops = ops_for_backend(layout.backend_name)
+        self.wire.set_timeout(self.timeout_s)
         while True:
             record = self.wire.receive()
             match record:

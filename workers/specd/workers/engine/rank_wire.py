@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from specd.kernels import AttentionMetadata
+from specd.workers.model.parallel import set_group_timeout
 
 ModelName = Literal["target", "draft"]
 PoolName = Literal["target", "draft"]
@@ -123,6 +124,12 @@ class RankWire:
     ):
         self.control_group, self.device_group, self.device = control_group, device_group, device
         self.separate = separate  # which tensors travel on the device group
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Every later call fails after ``timeout_s`` (the groups form with a longer one)."""
+        set_group_timeout(self.control_group, timeout_s)
+        if self.device_group is not self.control_group:
+            set_group_timeout(self.device_group, timeout_s)
 
     def send(self, record: Record) -> None:
         device_tensors: list[torch.Tensor] = []

@@ -122,16 +122,32 @@ def _timed_weights(dtype: torch.dtype, in_features: int, out_features: int, layo
     return [stored_weight(weight.clone(), layout) for _ in range(copies)]  # distinct memory
 
 
+# Each layout and row count is timed for about this long at most: on a CPU without
+# native bfloat16 matmuls a bf16 transposed call can take 100x a plain one, and timing
+# every cold copy four times once took 55 s of a 66 s engine start (the demo's draft).
+_TIMING_BUDGET_S = 0.1
+
+
 def _seconds_per_call(layout: str, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Best seconds per call over up to three rounds through ``weights`` (after one
+    warm-up round: oneDNN builds its primitive), each round cut short once it has taken
+    a quarter of ``_TIMING_BUDGET_S``; rounds stop once the budget is spent."""
     forward = _FORWARD[layout]
     best = float("inf")
-    for attempt in range(4):  # the first round warms up (oneDNN builds its primitive)
+    began = time.perf_counter()
+    for attempt in range(4):
         start = time.perf_counter()
+        calls = 0
         for weight in weights:
             forward(x, weight, None)
+            calls += 1
+            if time.perf_counter() - start > _TIMING_BUDGET_S / 4:
+                break
         if attempt:
-            best = min(best, time.perf_counter() - start)
-    return best / len(weights)
+            best = min(best, (time.perf_counter() - start) / calls)
+            if time.perf_counter() - began > _TIMING_BUDGET_S:
+                break
+    return best
 
 
 @functools.cache

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import distributed_c10d
 
 from specd.workers.model.config import ModelConfig, ModelLoadError
 
@@ -86,6 +87,12 @@ def init_tensor_parallel(
         timeout=timedelta(seconds=timeout_s),
     )
     return TpGroup(rank, size, dist.group.WORLD)
+
+
+def set_group_timeout(group: Any, timeout_s: float) -> None:
+    """Every later collective of the formed ``group`` fails after ``timeout_s`` (torch's
+    one way to give a group another timeout than it was formed with)."""
+    distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
 
 
 def _split(total: int, size: int, what: str) -> int:
