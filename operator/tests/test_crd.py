@@ -168,6 +168,11 @@ BAD = [
         _with("spec.parallelism", {"collectiveTimeoutSeconds": 0}),
         "spec.parallelism.collectiveTimeoutSeconds",
     ),
+    (
+        "collective-timeout-huge",
+        _with("spec.parallelism", {"collectiveTimeoutSeconds": 1e15}),
+        "spec.parallelism.collectiveTimeoutSeconds",
+    ),
 ]
 
 

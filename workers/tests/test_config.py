@@ -160,6 +160,11 @@ def test_gpus_are_zero_or_one_per_rank(tensor, gpus):
             "spec.parallelism.collectiveTimeoutSeconds: Input should be greater than 0",
             id="collective-timeout",
         ),
+        pytest.param(
+            {"parallelism": {"collectiveTimeoutSeconds": 1e15}},
+            "spec.parallelism.collectiveTimeoutSeconds: Input should be less than or equal to 86400",
+            id="collective-timeout-huge",
+        ),
     ],
 )
 def test_errors_name_the_field(spec, message):

@@ -294,6 +294,7 @@ class ParallelismSpec(SpecModel):
     collective_timeout_seconds: float = Field(
         120,
         gt=0,
+        le=86400,  # a day; far larger ones overflow torch's timeout when the ranks start
         description="How long a collective between a replica's ranks may wait; past it "
         "the replica is reported failed (and replaced), never left hanging (while the ranks "
         "start and load, they have 600 s)",
