@@ -39,6 +39,8 @@ from pathlib import Path
 from bench_engine import Worker
 from tokenizers import Tokenizer
 
+from specd.workers.model.cpu_linear import native_bfloat16_matmuls
+
 
 def held_out_prompts(target: str, n: int, length: int) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens from the validation files of the demo corpus."""
@@ -154,9 +156,9 @@ def main(argv=None):
     )
     ap.add_argument(
         "--draft-dtype",
-        default="bfloat16",
-        help="the EAGLE draft's spec.draft.dtype (default bfloat16, as examples/demo.yaml; "
-        "auto: the target's float32)",
+        default="auto",
+        help="the EAGLE draft's spec.draft.dtype (default auto, as examples/demo.yaml: "
+        "bfloat16 on a CPU with AVX512-BF16 or AMX, the target's float32 elsewhere)",
     )
     ap.add_argument(
         "--held",
@@ -226,7 +228,8 @@ def main(argv=None):
     print(f"# speculative decoding benchmark: {args.target} + {args.draft}")
     print(f"# chain (steps,topk,tokens) = {args.chain}; tree = {args.tree}; page {args.page_size}")
     print(f"# EAGLE token map: {token_map or 'none (the whole vocabulary)'}")
-    print(f"# EAGLE draft dtype: {args.draft_dtype}")
+    native = "has" if native_bfloat16_matmuls() else "has no"
+    print(f"# EAGLE draft dtype: {args.draft_dtype} (this CPU {native} native bfloat16 matmuls)")
     try:
         for batch in args.batch:
             prompts = held_out_prompts(args.target, batch, args.prompt_len)

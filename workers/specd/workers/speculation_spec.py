@@ -48,9 +48,9 @@ class DraftSpec(SpecModel):
     )
     dtype: DType = Field(
         DType.auto,
-        description="The draft's weights and activations (auto: the target's). On CPU a "
-        "bfloat16 draft beside a float32 target runs 2-4x faster per draft step where the "
-        "CPU has AVX512-BF16 or AMX; outputs are unchanged. On CUDA, the target's only",
+        description="The draft's weights and activations. auto: bfloat16 beside a float32 "
+        "target on a CPU with AVX512-BF16 or AMX (2-4x faster draft steps, outputs "
+        "unchanged), the target's dtype everywhere else. On CUDA, the target's only",
     )
 
     @model_validator(mode="after")

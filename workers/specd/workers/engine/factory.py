@@ -58,7 +58,7 @@ from specd.workers.mem_cache.sizing import (
     row_width,
 )
 from specd.workers.model.config import ModelConfig
-from specd.workers.model.cpu_linear import prepack_supported
+from specd.workers.model.cpu_linear import native_bfloat16_matmuls
 from specd.workers.model.draft_loader import DraftConfig, load_draft
 from specd.workers.model.loader import load_model
 from specd.workers.model.null_model import load_null_model
@@ -294,7 +294,7 @@ def load_spec_draft(
         dummy=knobs.dummy_weights,
         fused_elementwise=not knobs.eager_elementwise,
         token_map=spec.draft.token_map,
-        dtype=draft_dtype(spec, device),
+        dtype=draft_dtype(spec, device, model.model.embed_tokens.weight.dtype),
     )
 
 
@@ -311,9 +311,10 @@ def check_draft_vocab_fits_topk(spec: DeploymentSpec, draft: DraftConfig) -> Non
         )
 
 
-def draft_dtype(spec: DeploymentSpec, device: torch.device) -> str:
-    """``spec.draft.dtype``, where this device can run it: on CUDA the attention plans
-    and graphs are built for the target's dtype, which the draft then shares."""
+def draft_dtype(spec: DeploymentSpec, device: torch.device, target: torch.dtype) -> str:
+    """``spec.draft.dtype``, where this device can run it (``auto``: `auto_draft_dtype`).
+    On CUDA the attention plans and graphs are built for the target's dtype, which the
+    draft then shares."""
     assert spec.draft is not None
     wanted = spec.draft.dtype.value
     if device.type == "cuda" and wanted not in ("auto", spec.model.dtype.value):
@@ -322,13 +323,24 @@ def draft_dtype(spec: DeploymentSpec, device: torch.device) -> str:
             f"({spec.model.dtype.value}); on CUDA the draft runs in the target's dtype: "
             "leave spec.draft.dtype out"
         )
-    if device.type == "cpu" and wanted == "bfloat16" and not prepack_supported(torch.bfloat16):
+    if wanted == "auto":
+        return auto_draft_dtype(target, device, native_bfloat16_matmuls())
+    if device.type == "cpu" and wanted == "bfloat16" and not native_bfloat16_matmuls():
         logger.warning(
             "spec.draft.dtype bfloat16 on a CPU without native bfloat16 matmuls (AVX512-BF16 "
-            "or AMX): draft steps will be slower than in float32; set spec.draft.dtype: "
-            "float32 (or leave it out) on this machine"
+            "or AMX): draft steps will be slower than in float32; leave spec.draft.dtype "
+            "out (auto) on this machine"
         )
     return wanted
+
+
+def auto_draft_dtype(target: torch.dtype, device: torch.device, native_bf16: bool) -> str:
+    """``spec.draft.dtype: auto``: a bfloat16 draft beside a float32 target on a CPU that
+    multiplies bfloat16 natively (2.5-4x faster draft steps, outputs unchanged: the
+    target verifies every token); the target's dtype everywhere else."""
+    if device.type == "cpu" and target == torch.float32 and native_bf16:
+        return "bfloat16"
+    return "auto"
 
 
 def load_target(
