@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need, lints (ruff, import-linter), runs pytest.
 #   bash scripts/test.sh          default suite (not slow, not gpu)
-#   bash scripts/test.sh --all    also `slow`, and `gpu` where CUDA exists (what CI runs)
+#   bash scripts/test.sh --all    then a second pass: `slow`, and `gpu` where CUDA exists (what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 -m ruff check .
 lint-imports --no-cache  # the layers and the operator's independence (pyproject.toml)
-markers="not slow and not gpu"
-if [[ "${1:-}" == "--all" ]]; then
-  shift
-  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    markers=""
-  else
-    markers="not gpu"
-  fi
+default="not slow and not gpu"
+if [[ "${1:-}" != "--all" ]]; then
+  exec python3 -m pytest -m "$default" "$@"
 fi
-if [[ -n "$markers" ]]; then
-  exec python3 -m pytest -m "$markers" "$@"
+shift
+# --all: the default suite, then a second pass with the slow tests (and the gpu ones
+# where CUDA exists); both run even if the first fails, so one CI log shows every failure.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  second="slow or gpu"
+else
+  second="slow and not gpu"
 fi
-exec python3 -m pytest "$@"
+failed=0
+python3 -m pytest -m "$default" "$@" || failed=1
+python3 -m pytest -m "$second" "$@" || failed=1
+exit "$failed"

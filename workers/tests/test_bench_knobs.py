@@ -224,6 +224,7 @@ def test_eager_elementwise_knob_keeps_eager_ops_on_cuda(pair, eager):
 
 
 # -- the GPU benchmark, on CPU ----------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_gpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "benchmarks/bench_gpu.py", "--shape", "tiny", "--device", "cpu"]
@@ -244,6 +245,7 @@ def test_bench_gpu_smoke(tmp_path):
     assert report["args"]["elementwise"] == "eager" and "elementwise eager" in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_gpu_fp8_plain_smoke(tmp_path):
     """``--dtype fp8 --spec off``: a block-wise FP8 target (dummy FP8 weights and scales),
     plain decode only, its floor counting one byte per decoder weight."""
@@ -319,6 +321,7 @@ def test_bench_gpu_default_backends_leave_out_one_that_cannot_run_the_heads(monk
     assert "torch" in on_cpu and "flashinfer" not in on_cpu
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sessions", [False, True], ids=["requests", "sessions"])
 def test_bench_prefix_cache_smoke(sessions):
     """The prefix-cache benchmark runs, checks outputs equal with the cache on and off,
@@ -336,6 +339,7 @@ def test_bench_prefix_cache_smoke(sessions):
         assert "cached prompt tokens 0   KV held by the idle sessions 192" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sessions", [False, True], ids=["requests", "sessions"])
 def test_bench_routing_smoke(sessions):
     """The routing benchmark serves both policies over HTTP from one pool; cache-aware
@@ -353,6 +357,7 @@ def test_bench_routing_smoke(sessions):
     assert len(held) == (2 if sessions else 0) and all(int(h) > 0 for h in held), done.stdout
 
 
+@pytest.mark.slow
 def test_bench_structured_smoke():
     """The structured-output benchmark runs its four contenders in their own processes;
     all emit the same valid JSON, and guided drafts accept more than unguided ones."""
@@ -369,6 +374,7 @@ def test_bench_structured_smoke():
     assert per_verify["guided"] > per_verify["unguided"] + 1, done.stdout
 
 
+@pytest.mark.slow
 def test_bench_priority_smoke():
     """The priority benchmark runs both policies on the same flood, checks their outputs
     equal, and only the priority policy preempts (the urgent requests start first)."""

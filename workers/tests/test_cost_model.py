@@ -892,6 +892,7 @@ def test_drafting_requests_decode_plainly_in_prefill_steps(pair, page_size, topk
     assert metric_value(engine, "specd_spec_draft_tokens_total") > 0  # it speculated after
 
 
+@pytest.mark.slow
 def test_a_draft_left_behind_by_prefill_steps_catches_up_to_the_step_by_step_draft():
     """The trained pair: a request on its repetitive prompt drafts; a 400-token prompt
     then prefills in chunks of 16 beside it.  The request's draft state after each verify

@@ -98,9 +98,11 @@ def case(page, spec=None, graphs=True, overlap=False, marks=()):
 
 INTERPRETER_CASES = [
     case(16, graphs=False),
-    case(4, overlap=True),  # decode scheduled ahead, its input ids gathered into graphs
-    case(1, (3, 1, "EAGLE", True), graphs=False),
-    case(4, (3, 4, "EAGLE", False)),  # the paged tree layout (seed 002), graph batches
+    # decode scheduled ahead, its input ids gathered into graphs
+    case(4, overlap=True, marks=pytest.mark.slow),
+    case(1, (3, 1, "EAGLE", True), graphs=False, marks=pytest.mark.slow),
+    # the paged tree layout (seed 002), graph batches
+    case(4, (3, 4, "EAGLE", False), marks=pytest.mark.slow),
     case(16, (3, 4, "EAGLE3", True), marks=pytest.mark.slow),
     case(1, (5, 4, "EAGLE", False), graphs=False, marks=pytest.mark.slow),
     case(16, (1, 1, "EAGLE", False), marks=pytest.mark.slow),
@@ -150,6 +152,7 @@ def check_graph_runs(engine, ref: Reference, mode):
     assert engine.graphs.replays >= replays + 2 * (ref.max_new - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests below cover CUDA")
 def test_decode_graph_buckets_are_exact_in_the_interpreter(pair, cpu_reference):
     check_graph_runs(graph_engine(pair[0]), cpu_reference, "emulated")
@@ -198,6 +201,7 @@ def check_graphs_draft_like_eager(speculative, page, mode, judge=None, **device)
     assert sum(accepted for _, accepted in eager_usage) > 20  # the trained draft at work
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests below cover CUDA")
 @pytest.mark.parametrize(
     "speculative,page",
@@ -217,6 +221,7 @@ def test_engine_refuses_a_backend_that_cannot_run_here(pair):
         start_engine(pair[0], attentionBackend="flashinfer")
 
 
+@pytest.mark.slow
 def test_status_names_the_backend_and_the_ops(pair):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton: compiled or interpreted
     engine = start_engine(pair[0], device=device, attentionBackend="triton")

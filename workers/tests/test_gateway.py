@@ -872,6 +872,7 @@ def test_reasoning_parser_set_live_splits_chat_output(gateway):
         in_loop(gateway, pool.update_spec, old)
 
 
+@pytest.mark.slow
 def test_structured_output_waits_for_the_thinking(serve_gateway, tmp_path_factory):
     """A tokenizer with single-token <think> and </think> (the demo target, two entries
     renamed): under deepseek_r1 a request held to a schema thinks first, unguided (its
@@ -1136,6 +1137,7 @@ def test_rate_limits_per_api_key_apply_live(ray_cluster, model_dir):
         )
 
 
+@pytest.mark.slow
 def test_suffix_drafts_for_a_key_only_from_its_own_outputs(ray_cluster, model_dir):
     """SUFFIX behind API keys: the gateway sends each request's key id to the engine.
     Key a's second identical request drafts from its first one's output; key b's drafts

@@ -486,6 +486,7 @@ async def test_a_turn_right_after_a_client_abort_is_not_refused(client):
     assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
 
 
+@pytest.mark.slow
 async def test_sessions_survive_a_rolling_update(client, gateway):
     """A spec change rolls both replicas while one conversation goes on: each drained
     replica's idle sessions move with their KV, so no turn fails, every turn reuses its

@@ -159,6 +159,7 @@ def test_cuda_backends_give_the_targets_logprobs(backend, layout):
     )
 
 
+@pytest.mark.slow
 def test_graph_batches_carry_logprobs(pair):
     """Decode batches replayed in graph buckets (Triton, interpreted on CPU; 3 requests in
     the bucket of 4) give the same log-probs (tiny model: the interpreter is slow)."""

@@ -152,6 +152,7 @@ def test_from_env_refuses_naming_the_variable_and_the_known_fields(monkeypatch, 
 # -- served --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_served_engine_takes_the_knobs_from_the_environment(tiny, avoided, tmp_path):
     """``specd serve`` with ``SPECD_BENCH_KNOBS`` set: the engine actor (a Ray worker of
     the server's local Ray) serves the null model."""

@@ -83,6 +83,7 @@ def _wire_round_trip(tp, every_tensor_apart: bool) -> list:
     return [wire.receive() for _ in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("apart", [False, True], ids=["inline", "device-group"])
 def test_records_cross_the_wire_whole(apart):
     """Every field of each record arrives, with its tensors inside the pickle (CPU) or
@@ -177,6 +178,7 @@ def _run(engine, prompts):
     return asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_tensor_2_sessions_and_prefix_cache_reuse_kv(ray_cluster, reference):
     """A session's second turn reuses its history's KV; a repeated prompt's pages come
     from the prefix cache; a session that moves keeps its history (its KV, split over

@@ -23,14 +23,15 @@ from specd.workers.model.parallel import SINGLE_RANK, ShardPlan, TpGroup, TpShap
 ATOL = 1e-4
 STEPS = 6
 # (variant, tensor size, page size): split KV heads at 2, replicated at 4 (2 KV heads)
-# (~30 s each on 2 cores: the default suite runs two, CI's slow pass the rest)
+# (15-30 s each on 2 cores: the default suite runs the first, CI's slow pass the rest)
 CASES = [
     ("gqa", 2, 1),
     pytest.param("gqa", 4, 16, marks=pytest.mark.slow),
     pytest.param("tied", 2, 16, marks=pytest.mark.slow),
     pytest.param("bias", 2, 1, marks=pytest.mark.slow),  # Qwen2: q/k/v biases, cut by rows
     pytest.param("qwen3", 2, 16, marks=pytest.mark.slow),  # q/k norms on the rank's heads
-    ("qwen3-moe", 2, 16),  # every expert's columns cut, router replicated
+    # every expert's columns cut, router replicated
+    pytest.param("qwen3-moe", 2, 16, marks=pytest.mark.slow),
 ]
 
 
@@ -182,6 +183,7 @@ def test_validate_accepts_a_tensor_size_that_splits_model_and_draft(tiny_models,
     assert main(["validate", str(file)]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_group_formed_with_a_long_timeout_then_fails_a_stalled_call_after_its_own():
     """A group formed with a 120 s timeout (a replica's ranks meet and load with a long
     one; one rank joins 5 s late) set to 2 s: a collective the last rank stalls fails

@@ -87,6 +87,7 @@ def test_the_shipped_map_is_lossless_and_still_accepts(demo_reference, page_size
     assert check_lossless(engine, demo_reference) > 0
 
 
+@pytest.mark.slow
 def test_the_draft_proposes_nothing_outside_its_map(demo_reference, tmp_path):
     """A map without any token of the outputs: not one draft can be accepted (without the
     map the trained draft accepts most of them), and the outputs are unchanged."""
@@ -219,6 +220,7 @@ def test_the_generator_keeps_the_most_frequent_ids():
         most_frequent(counts, 6)
 
 
+@pytest.mark.slow
 def test_the_shipped_map_is_what_its_generator_writes():
     """The demo's map, rebuilt from its corpus (this Python's standard library): the same
     ids where the corpus is the same, else a map covering as much of this one."""
