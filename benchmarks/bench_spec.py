@@ -89,7 +89,9 @@ def spec_fields(
 
 def run_batch(workers, prompts, new_tokens, repeats, in_flight=None):
     """Time each worker on ``prompts`` (interleaved repeats) and print the ratios: all at
-    once (a closed batch), or ``in_flight`` at a time (a held batch)."""
+    once (a closed batch), or ``in_flight`` at a time (a held batch).  Beside the ratio
+    of medians, each repeat's own ratio (its two runs close in time, so a VM whose speed
+    drifts moves both): their range and median."""
     for w in workers:  # warm-up, untimed: the whole batch once (the cost model explores)
         w.run(prompts, new_tokens, in_flight)
     times = {w.name: [] for w in workers}
@@ -118,7 +120,12 @@ def run_batch(workers, prompts, new_tokens, repeats, in_flight=None):
         print(line)
     for name, m in med.items():
         if name != "specd":
-            print(f"  {name} vs specd (no speculation): {med['specd'] / m:.2f}x")
+            paired = sorted(p / t for p, t in zip(times["specd"], times[name], strict=True))
+            print(
+                f"  {name} vs specd (no speculation): {med['specd'] / m:.2f}x"
+                f"  (per repeat {paired[0]:.2f}-{paired[-1]:.2f}x,"
+                f" median {statistics.median(paired):.2f}x)"
+            )
     return med
 
 

@@ -12,10 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specd.devtools.testing import DEMO_EAGLE, DEMO_TARGET
 from specd.devtools.tiny_draft import make_tiny_eagle, make_tiny_eagle3
 from specd.devtools.tp_ranks import model_trace, run_on_ranks, stalled_collective
 from specd.workers.cli import EXIT_INVALID, main
+from specd.workers.config import spec_for_model
+from specd.workers.engine.factory import auto_draft_dtype, draft_dtype
 from specd.workers.model.config import ModelLoadError, load_model_config
+from specd.workers.model.cpu_linear import native_bfloat16_matmuls
 from specd.workers.model.llama import LlamaForCausalLM
 from specd.workers.model.loader import load_model
 from specd.workers.model.parallel import SINGLE_RANK, ShardPlan, TpGroup, TpShape
@@ -190,3 +194,26 @@ def test_a_group_formed_with_a_long_timeout_then_fails_a_stalled_call_after_its_
     on rank 0 after about 2 s."""
     (waited, error), _ = run_on_ranks(2, stalled_collective, 2.0, 8.0, late_s=5)
     assert error and 1.5 < waited < 6, (waited, error)
+
+
+def _agreed_draft_dtypes(tp: TpGroup, native_by_rank: list[list[bool]]) -> list:
+    """Per case, this rank's vote on native bfloat16 -> (the group's answer, the auto
+    draft dtype beside a float32 target); then ``draft_dtype`` of the demo pair on this
+    CPU, asked over the group."""
+    cpu = torch.device("cpu")
+    votes = [tp.all_agree(case[tp.rank]) for case in native_by_rank]
+    chosen = [(vote, auto_draft_dtype(torch.float32, cpu, vote)) for vote in votes]
+    spec = spec_for_model(DEMO_TARGET, draft={"path": DEMO_EAGLE}, speculative={})
+    return [*chosen, draft_dtype(spec, cpu, torch.float32, tp)]
+
+
+def test_the_ranks_of_a_replica_agree_on_the_auto_draft_dtype():
+    """``spec.draft.dtype: auto`` over two ranks whose CPUs differ: bfloat16 only where
+    every rank multiplies bfloat16 natively, so no rank loads shards of another dtype
+    than the others'."""
+    cases = [[True, False], [False, True], [True, True], [False, False]]
+    per_rank = run_on_ranks(2, _agreed_draft_dtypes, cases)
+    assert per_rank[0] == per_rank[1]
+    *chosen, here = per_rank[0]
+    assert chosen == [(False, "auto"), (False, "auto"), (True, "bfloat16"), (False, "auto")]
+    assert here == ("bfloat16" if native_bfloat16_matmuls() else "auto")

@@ -50,7 +50,8 @@ class DraftSpec(SpecModel):
         DType.auto,
         description="The draft's weights and activations. auto: bfloat16 beside a float32 "
         "target on a CPU with AVX512-BF16 or AMX (2-4x faster draft steps, outputs "
-        "unchanged), the target's dtype everywhere else. On CUDA, the target's only",
+        "unchanged; under tensor parallelism, on every rank's CPU), the target's dtype "
+        "everywhere else. On CUDA, the target's only",
     )
 
     @model_validator(mode="after")

@@ -230,7 +230,7 @@ def build_follower(
     models: dict = {"target": model}
     shapes = {"target": local_pool_shape(config, config.num_hidden_layers, tp.size)}
     if spec.has_draft_model:
-        draft, draft_config = load_spec_draft(spec, model, config, device, knobs)
+        draft, draft_config = load_spec_draft(spec, model, config, device, knobs, tp)
         models["draft"] = draft
         shapes["draft"] = local_pool_shape(draft_config.model, draft_config.num_kv_layers, tp.size)
     dtype = next(model.parameters()).dtype
@@ -261,7 +261,7 @@ def load_models(
         spec_policy = SpecPolicy(spec.speculative, draft_free=draft_free)
     draft_head = None
     if spec.has_draft_model:
-        draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs))
+        draft_head = DraftHead(*load_spec_draft(spec, model, config, device, knobs, tp))
         check_draft_vocab_fits_topk(spec, draft_head.config)
     return Models(
         tokenizer=tokenizer,
@@ -282,8 +282,9 @@ def load_spec_draft(
     config: ModelConfig,
     device: torch.device,
     knobs: BenchKnobs,
+    tp: TpGroup = SINGLE_RANK,
 ) -> tuple[torch.nn.Module, DraftConfig]:
-    """``spec.draft`` over ``model`` (sharded as the target is)."""
+    """``spec.draft`` over ``model`` (sharded as the target is, over ``tp``)."""
     assert spec.draft is not None
     return load_draft(
         spec.draft.path,
@@ -294,7 +295,7 @@ def load_spec_draft(
         dummy=knobs.dummy_weights,
         fused_elementwise=not knobs.eager_elementwise,
         token_map=spec.draft.token_map,
-        dtype=draft_dtype(spec, device, model.model.embed_tokens.weight.dtype),
+        dtype=draft_dtype(spec, device, model.model.embed_tokens.weight.dtype, tp),
     )
 
 
@@ -311,10 +312,14 @@ def check_draft_vocab_fits_topk(spec: DeploymentSpec, draft: DraftConfig) -> Non
         )
 
 
-def draft_dtype(spec: DeploymentSpec, device: torch.device, target: torch.dtype) -> str:
+def draft_dtype(
+    spec: DeploymentSpec, device: torch.device, target: torch.dtype, tp: TpGroup = SINGLE_RANK
+) -> str:
     """``spec.draft.dtype``, where this device can run it (``auto``: `auto_draft_dtype`).
     On CUDA the attention plans and graphs are built for the target's dtype, which the
-    draft then shares."""
+    draft then shares.  The ranks of ``tp`` each see their own CPU, so ``auto`` asks
+    them all: a bfloat16 draft only where every rank multiplies bfloat16 natively (a
+    rank's shards must match the others' dtype)."""
     assert spec.draft is not None
     wanted = spec.draft.dtype.value
     if device.type == "cuda" and wanted not in ("auto", spec.model.dtype.value):
@@ -324,7 +329,8 @@ def draft_dtype(spec: DeploymentSpec, device: torch.device, target: torch.dtype)
             "leave spec.draft.dtype out"
         )
     if wanted == "auto":
-        return auto_draft_dtype(target, device, native_bfloat16_matmuls())
+        native_bf16 = device.type == "cpu" and tp.all_agree(native_bfloat16_matmuls())
+        return auto_draft_dtype(target, device, native_bf16)
     if device.type == "cpu" and wanted == "bfloat16" and not native_bfloat16_matmuls():
         logger.warning(
             "spec.draft.dtype bfloat16 on a CPU without native bfloat16 matmuls (AVX512-BF16 "

@@ -60,6 +60,15 @@ class TpGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (a CPU collective on the group; each
+        rank then takes the same decision from what it alone can see)."""
+        if self.size == 1:
+            return flag
+        votes = torch.tensor([int(flag)])
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(votes.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., d] on each rank -> [..., N * d], rank 0's columns first."""
         if self.size == 1:
