@@ -10,6 +10,7 @@ from specd.workers.model.cpu_linear import (
     CpuLinear,
     fastest_layout,
     layouts_for,
+    native_bfloat16_matmuls,
     prepack_supported,
     relayout_linears,
 )
@@ -114,3 +115,18 @@ def test_openmp_dynamic_teams_keep_weights_out_of_the_packed_layout(monkeypatch,
     assert layouts_for(torch.float32) == (
         LAYOUTS if prepack_supported(torch.float32) else LAYOUTS[:2]
     )
+
+
+FEATURE_CHECKS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_cpu_support_amx_tile")
+
+
+def test_a_torch_without_the_cpu_feature_checks_reads_as_no_native_bfloat16(monkeypatch):
+    """torch's CPU feature checks are private and renamed across the versions specd
+    accepts: where this torch has none of them, native bfloat16 reads as absent (an auto
+    draft stays float32) instead of failing the engine's start; an older torch's AMX
+    check still counts."""
+    for check in FEATURE_CHECKS:
+        monkeypatch.delattr(torch.cpu, check, raising=False)
+    assert native_bfloat16_matmuls.__wrapped__() is False
+    monkeypatch.setattr(torch.cpu, "_is_cpu_support_amx_tile", lambda: True, raising=False)
+    assert native_bfloat16_matmuls.__wrapped__() is True

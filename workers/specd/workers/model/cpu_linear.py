@@ -58,7 +58,16 @@ def native_bfloat16_matmuls() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX).  Without
     it a bfloat16 matmul converts to float32 first and runs slower than float32 does:
     2-100x per layer on a 2-core AMD EPYC with AVX2 only."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return _torch_reports("_is_avx512_bf16_supported", "_is_amx_tile_supported") or (
+        _torch_reports("_is_cpu_support_amx_tile")  # the AMX check's older name
+    )
+
+
+def _torch_reports(*checks: str) -> bool:
+    """Whether any of ``torch.cpu``'s feature ``checks`` holds.  They are private, named
+    differently across the torch versions specd accepts: one this torch lacks counts as
+    a feature absent (a float32 draft, never a failed start)."""
+    return any(getattr(torch.cpu, check, bool)() for check in checks)
 
 
 def _check_layout(layout: str) -> None:
