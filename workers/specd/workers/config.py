@@ -281,6 +281,12 @@ class ResourcesSpec(SpecModel):
     memory: str | None = None
 
 
+# How long a replica's ranks may take to meet, load their shards (collectives at load
+# included) and trade the KV layout: a busy node starts the other ranks' actors late, and
+# they load at their own pace.  From the KV layout on, the group's timeout is the spec's.
+RANK_START_TIMEOUT_S = 600.0
+
+
 class ParallelismSpec(SpecModel):
     """How one replica spreads over devices.  Part of the config hash: a change rolls
     the replicas."""
@@ -297,7 +303,7 @@ class ParallelismSpec(SpecModel):
         le=86400,  # a day; far larger ones overflow torch's timeout when the ranks start
         description="How long a collective between a replica's ranks may wait; past it "
         "the replica is reported failed (and replaced), never left hanging (while the ranks "
-        "start and load, they have 600 s)",
+        f"start and load, they have {RANK_START_TIMEOUT_S:.0f} s)",
     )
 
 

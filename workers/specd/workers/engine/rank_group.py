@@ -27,6 +27,7 @@ import torch.distributed as dist
 from specd.kernels import get_backend
 from specd.kernels.ops import KernelOps
 from specd.kernels.ops_choice import ops_for_backend
+from specd.workers.config import RANK_START_TIMEOUT_S
 from specd.workers.engine.rank_wire import (
     ContextOnWire,
     KVLayout,
@@ -45,10 +46,6 @@ from specd.workers.model.parallel import TpGroup, init_tensor_parallel
 
 # the target's and the draft's methods that run collectives (the others are local)
 MIRRORED_METHODS = frozenset({"__call__", "forward_with_aux", "compute_logits"})
-# How long the ranks may take to meet, load their shards (collectives at load included)
-# and trade the KV layout: a busy node starts the other ranks' actors late, and they load
-# at their own pace.  From the KV layout on, the group's timeout is the spec's.
-RANK_START_TIMEOUT_S = 600.0
 RANK_END_GRACE_S = 2.0  # how long a failed call waits to learn which rank ended
 
 
