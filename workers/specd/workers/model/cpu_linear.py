@@ -58,8 +58,9 @@ def native_bfloat16_matmuls() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX).  Without
     it a bfloat16 matmul converts to float32 first and runs slower than float32 does:
     2-100x per layer on a 2-core AMD EPYC with AVX2 only."""
-    return _torch_reports("_is_avx512_bf16_supported", "_is_amx_tile_supported") or (
-        _torch_reports("_is_cpu_support_amx_tile")  # the AMX check's older name
+    # _is_cpu_support_amx_tile: the AMX check's older name
+    return _torch_reports(
+        "_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_cpu_support_amx_tile"
     )
 
 
