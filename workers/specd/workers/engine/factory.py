@@ -328,7 +328,8 @@ def draft_dtype(
             f"({spec.model.dtype.value}); on CUDA the draft runs in the target's dtype: "
             "leave spec.draft.dtype out"
         )
-    if wanted == "auto":
+    if wanted == "auto":  # no vote on CUDA: auto is the target's dtype there, and an
+        # NCCL group cannot reduce the vote's CPU tensor
         native_bf16 = device.type == "cpu" and tp.all_agree(native_bfloat16_matmuls())
         return auto_draft_dtype(target, device, native_bf16)
     if device.type == "cpu" and wanted == "bfloat16" and not native_bfloat16_matmuls():
