@@ -83,6 +83,7 @@ class PlainSteps(_Contract):
     rung: int  # the active rung has no draft
     load: int  # policy.maxBatchForSpec
     cost: int  # the cost model (its explorations of plain included)
+    end: int  # the cost model: the batch's requests end before a verify pays
 
 
 class RungCost(_Contract):

@@ -37,3 +37,4 @@ class PlainReason(StrEnum):
     RUNG = "rung"  # the active rung is plain (steps 0)
     LOAD = "load"  # the batch has more requests than policy.maxBatchForSpec
     COST = "cost"  # the cost model predicts more tokens/s from plain decode, or explores it
+    END = "end"  # the batch's requests end before a verify's extra tokens pay for it

@@ -156,7 +156,7 @@ class PlainExecutor(StepExecutor):
 
 # plain batches the policy chose leave the draft's extend for later (deferred_extend.py);
 # a switch back to speculation catches up first (a transition, not charged to plain)
-DEFERRING = (PlainReason.LOAD, PlainReason.COST)
+DEFERRING = (PlainReason.LOAD, PlainReason.COST, PlainReason.END)
 
 
 def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:

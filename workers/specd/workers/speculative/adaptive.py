@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specd.workers.rung import PLAIN, PlainReason, Rung
-from specd.workers.speculative.cost_model import CostModel, Ema
+from specd.workers.speculative.cost_model import CostModel, Ema, with_reason
 
 
 class AdaptiveController:
@@ -148,19 +148,15 @@ class SpecPolicy:
         not read (``deferred_extend.py``); ``tokens_left``: per request, the tokens it
         may still produce (``cost_model.tokens_per_verify``); ``rids``: theirs."""
         if self.calibrating is not None:
-            return self.calibrating, None if self.calibrating.speculates else PlainReason.COST
+            return with_reason(self.calibrating)
         rung = self.active
         if not rung.speculates:
             return rung, PlainReason.RUNG
         limit = self.max_batch_for_spec
         if limit is not None and batch_size > limit:
             return PLAIN, PlainReason.LOAD
-        model = self.cost_model
-        if (
-            model is not None
-            and not model.choose(batch_size, rung, backlog, tokens_left, rids).speculates
-        ):
-            return PLAIN, PlainReason.COST
+        if self.cost_model is not None:
+            return self.cost_model.choose(batch_size, rung, backlog, tokens_left, rids)
         return rung, None
 
     def observe(

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specd.workers.contracts import CostCalibration
-from specd.workers.rung import PLAIN, Rung
+from specd.workers.rung import PLAIN, PlainReason, Rung
 
 FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
 MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
@@ -253,6 +253,12 @@ def tokens_per_verify(
     return sum(gains) / size
 
 
+def with_reason(rung: Rung) -> tuple[Rung, PlainReason | None]:
+    """A cost model's choice of ``rung`` with its reason: ``COST`` for plain (the bucket's
+    winner or an exploration of it), None for a speculating rung."""
+    return rung, None if rung.speculates else PlainReason.COST
+
+
 def batch_bucket(batch_size: int) -> int:
     """The largest batch size of ``batch_size``'s bucket: each size up to 8, then four
     buckets per doubling (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), so the sizes sharing a
@@ -398,19 +404,21 @@ class CostModel:
         backlog: float = 0.0,
         tokens_left: Sequence[int] = (),
         rids: Sequence[str] = (),
-    ) -> Rung:
-        """``rung`` (a speculating one) or ``PLAIN`` for a verify batch of ``batch_size``
-        whose requests have a mean of ``backlog`` tokens the draft has not read and may
-        each produce ``tokens_left`` more (empty: not known); ``rids``: theirs, for
-        their own acceptance where it is kept (``own_accepted``)."""
+    ) -> tuple[Rung, PlainReason | None]:
+        """-> (``rung`` (a speculating one) or ``PLAIN``, why plain; None when it
+        speculates) for a verify batch of ``batch_size`` whose requests have a mean of
+        ``backlog`` tokens the draft has not read and may each produce ``tokens_left``
+        more (empty: not known); ``rids``: theirs, for their own acceptance where it is
+        kept (``own_accepted``).  Plain is ``END`` when the batch runs plain only because
+        its requests are near their ends, else ``COST``."""
         bucket = batch_bucket(batch_size)
         own = self.own_accepted(rids, rung)
         speculated = self.predicted_tokens_per_second(bucket, rung, own=own)
         plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
         if speculated is None:
-            return self._explore(rung)
+            return with_reason(self._explore(rung))
         if plain is None:
-            return self._explore(PLAIN)
+            return with_reason(self._explore(PLAIN))
         state = self._buckets.setdefault(bucket, Bucket())  # new: its costs interpolated
         best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
@@ -422,10 +430,10 @@ class CostModel:
         if self.rerun_loser(state, loser, backlog):
             state.last_rerun = state.decisions
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
-            return self._explore(loser)
+            return with_reason(self._explore(loser))
         if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left, own):
-            return PLAIN  # this batch only: its requests end before the winner pays
-        return best
+            return PLAIN, PlainReason.END  # this batch only: its requests end first
+        return with_reason(best)
 
     def near_their_ends(
         self,
