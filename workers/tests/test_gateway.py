@@ -71,6 +71,7 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
 # -- `specd serve` as a user runs it (its own local Ray; before the module cluster) --------
 
 
+@pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
 def test_serve_cli_smoke(model_dir, tmp_path):
     """`specd serve` of a speculative deployment (tiny EAGLE tree, overlap on).  Without
     SPECD_ADMIN_TOKEN it writes a random admin token to a 0600 file under the user's state
@@ -968,6 +969,7 @@ async def test_pool_backs_off_a_replica_that_cannot_start(ray_cluster, tmp_path)
         await pool.stop(drain_timeout_s=1)
 
 
+@pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
 async def test_replacement_controller_adopts_running_actors(ray_cluster, model_dir):
     """A gateway that goes away leaves its detached engine actors running; the next
     controller of the same deployment adopts them by name instead of starting new ones,
@@ -994,6 +996,7 @@ async def test_replacement_controller_adopts_running_actors(ray_cluster, model_d
     assert not [n for n in ray.util.list_named_actors() if n.startswith("specd-adopt-")]
 
 
+@pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
 def test_pod_gateway_leaves_its_actors_to_the_next_one_and_release_kills_them(
     ray_cluster, model_dir
 ):

@@ -118,6 +118,7 @@ PROBE_MEDIAN_S = 0.1
 PROBE_P90_S = {"/health": 0.5, "/version": 0.5, "/metrics": 1.0}
 
 
+@pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
 def test_health_answers_while_big_prompts_are_tokenized(gateway):
     """Ten concurrent 2 MB chat prompts (templated, tokenized, then refused for the
     context length): /health, /version and /metrics answer meanwhile."""

@@ -322,6 +322,7 @@ def test_each_verify_step_syncs_lengths_once(pair, reference):
     assert engine.spec_decoder.last_seq_lens.num_syncs == 1
 
 
+@pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
 def test_stop_string_inside_accepted_tokens_cuts_like_plain_decode(demo_reference):
     """A stop string completed in the middle of a verify's accepted tokens ends the
     output at that token, exactly as one-token-at-a-time decoding does: same token ids,
