@@ -5,6 +5,7 @@ the widest rung."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from specd.devtools.testing import (
     DEMO_TARGET,
     check_exact_run,
     check_same_marginals,
+    collect,
     hf_greedy,
     metric_value,
     random_prompts,
@@ -415,7 +417,7 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
             for rung, by_load, grants in seen
         )
         plain = engine.status().adaptive.plain_steps.model_dump()
-        assert plain == {"rung": 0, "load": load, "cost": 0, "end": 0}
+        assert plain == {"rung": 0, "load": load, "cost": 0, "end": 0, "request": 0}
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
         check_widest_allocation(engine, seen, narrow=overlap)  # sync: no plain verify
     finally:
@@ -476,6 +478,51 @@ def test_trained_draft_moves_the_rung_up(demo_repetitive, candidates, num_steps,
     assert steps.index(top) <= 1 + 2 * 2 + 2 * int(overlap), steps
     assert status.acceptance_rate >= 0.8
     check_widest_allocation(engine, seen)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_request_that_opts_out_runs_its_batches_plain(demo_repetitive, overlap):
+    """``speculative: false``: alone, the request drafts nothing (every decode step
+    runs plain, reason request); beside a speculating request it makes the batches
+    they share plain; both stay token-exact, and once it is done the other
+    speculates again.  The cost model is off: otherwise the engine always speculates."""
+    prompt, expected = demo_repetitive
+    engine = start_engine(
+        DEMO_TARGET,
+        kvCache={"pageSize": 16},
+        scheduler={"overlap": overlap},
+        draft={"path": DEMO_EAGLE},
+        speculative={
+            "numSteps": 3,
+            "numDraftTokens": 4,
+            "policy": {"costModel": {"enabled": False}},
+        },
+        debug={"strictMemCheck": 1},
+    )
+    short, n = len(expected) // 2, len(expected)
+
+    async def both():
+        return await asyncio.gather(
+            collect(engine, "out", prompt, max_tokens=short, ignore_eos=True, speculative=False),
+            collect(engine, "in", prompt, max_tokens=n, ignore_eos=True),
+        )
+
+    try:
+        drafted = metric_value(engine, "specd_spec_draft_tokens_total")
+        [(alone, _, _)] = run_all(
+            engine, [prompt], max_tokens=short, ignore_eos=True, speculative=False
+        )
+        assert alone == expected[:short]
+        assert metric_value(engine, "specd_spec_draft_tokens_total") == drafted
+        opted_out = plain_steps(engine, "request")
+        assert opted_out == short - 1  # the first token comes from the prefill
+        (out, _, _), (spec, _, _) = asyncio.run(both())
+        assert out == expected[:short] and spec == expected
+        assert plain_steps(engine, "request") > opted_out
+        assert metric_value(engine, "specd_spec_draft_tokens_total") > drafted
+        assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
+    finally:
+        engine.shutdown()
 
 
 def test_plain_rung_samples_the_target_distribution(tiny_models, tmp_path):

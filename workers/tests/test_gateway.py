@@ -657,6 +657,7 @@ BAD_INPUTS = {
         "chat_template_kwargs",
     ),
     "priority not an int": (CMPL, {**A, "priority": "high"}, 400, "priority"),
+    "speculative not a bool": (CMPL, {**A, "speculative": "maybe"}, 400, "speculative"),
     "chat session_id, sessions disabled": (
         CHAT,
         {**M, "messages": [{"role": "user", "content": "x"}], "session_id": "x.y"},

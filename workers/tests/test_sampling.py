@@ -1,10 +1,12 @@
-"""Next-token sampling: greedy ids as argmax gives them, seeded draws reproduce, and
-the deployment's sampling defaults fill what a request leaves out."""
+"""Next-token sampling: greedy ids as argmax gives them, seeded draws reproduce, the
+deployment's sampling defaults fill what a request leaves out, and a request's
+parameters reach the engine."""
 
 import pytest
 import torch
 
 from specd.workers.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from specd.workers.gateway.responses_api import ResponsesRequest, to_chat
 from specd.workers.requests.request import Req
 from specd.workers.runner.sampling import greedy_ids, sample_next_tokens
 from specd.workers.types import SamplingParams
@@ -65,12 +67,31 @@ def test_defaults_fill_only_the_fields_a_request_leaves_out(kind):
     assert (plain.repetition_penalty, plain.min_p) == (1.0, 0.0)
 
 
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_speculative_false_reaches_the_engines_parameters(kind):
+    body = {"model": "m", "prompt": "x"}
+    if kind is ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert kind.model_validate(body).sampling_params(16).speculative
+    opted_out = kind.model_validate({**body, "speculative": False}).sampling_params(16)
+    assert opted_out.speculative is False
+
+
+def test_a_responses_request_passes_speculative_false_to_chat():
+    body = ResponsesRequest.model_validate({"model": "m", "input": "x", "speculative": False})
+    chat = ChatCompletionRequest.model_validate(to_chat(body, []))
+    assert chat.sampling_params(16).speculative is False
+
+
 @pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
 def test_a_top_p_below_float32s_smallest_still_keeps_the_top_token(top_p):
     # 5e-324 is a valid float in (0, 1] that rounds to 0 in float32: without the first
     # token pinned, every token was dropped and the request failed "logits are not finite"
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
-    reqs = [_req("a", temperature=1.0, top_p=top_p, seed=1), _req("b", temperature=1.0, top_p=top_p)]
+    reqs = [
+        _req("a", temperature=1.0, top_p=top_p, seed=1),
+        _req("b", temperature=1.0, top_p=top_p),
+    ]
     tokens, unusable = sample_next_tokens(logits, reqs)
     assert not unusable.any()
     assert tokens.tolist() == logits.argmax(-1).tolist()

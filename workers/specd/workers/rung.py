@@ -38,3 +38,4 @@ class PlainReason(StrEnum):
     LOAD = "load"  # the batch has more requests than policy.maxBatchForSpec
     COST = "cost"  # the cost model predicts more tokens/s from plain decode, or explores it
     END = "end"  # the batch's requests end before a verify's extra tokens pay for it
+    REQUEST = "request"  # a request of the batch asked for none (``speculative: false``)

@@ -59,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once a token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: Grammar | None = None  # structured output: the text the output must follow
+    speculative: bool = True  # False: a speculative engine runs this request's batches plain
 
     @property
     def greedy(self) -> bool:

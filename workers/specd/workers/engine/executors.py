@@ -156,7 +156,7 @@ class PlainExecutor(StepExecutor):
 
 # plain batches the policy chose leave the draft's extend for later (deferred_extend.py);
 # a switch back to speculation catches up first (a transition, not charged to plain)
-DEFERRING = (PlainReason.LOAD, PlainReason.COST, PlainReason.END)
+DEFERRING = (PlainReason.LOAD, PlainReason.COST, PlainReason.END, PlainReason.REQUEST)
 
 
 def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
@@ -302,7 +302,10 @@ class SpeculativeExecutor(StepExecutor):
 
     def _choose(self, reqs: Sequence[Req]) -> tuple[Rung, PlainReason | None]:
         """The policy's rung for a verify of ``reqs``: their mean backlog and the tokens
-        each may still produce weigh in (``SpecPolicy.choose``)."""
+        each may still produce weigh in (``SpecPolicy.choose``); plain while one of them
+        opted out of speculation (``speculative: false``)."""
+        if not all(r.params.speculative for r in reqs):
+            return PLAIN, PlainReason.REQUEST
         backlog = sum(self._backlogs.get(r.rid, 0) for r in reqs) / len(reqs)
         tokens_left = [r.params.max_tokens - len(r.output_ids) for r in reqs]
         return self.policy.choose(len(reqs), backlog, tokens_left, [r.rid for r in reqs])

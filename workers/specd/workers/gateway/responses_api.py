@@ -52,6 +52,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     priority: int = 0  # extension, as on chat completions
+    speculative: bool = True  # extension, as on chat completions
 
 
 class InvalidItem(ValueError):
@@ -123,6 +124,7 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, 
         "stream": body.stream,
         "parallel_tool_calls": body.parallel_tool_calls,
         "priority": body.priority,
+        "speculative": body.speculative,
     }
     if body.stream:
         chat["stream_options"] = {"include_usage": True}

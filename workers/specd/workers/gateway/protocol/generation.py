@@ -127,6 +127,11 @@ class GenerationRequest(Lenient):
         description="Extension (vLLM's): lower starts first under spec.scheduler.policy: "
         "priority, preempting running requests of a higher value; 0 elsewhere",
     )
+    speculative: bool = Field(
+        True,
+        description="Extension: false decodes this request without speculation (a "
+        "speculative replica runs the batches it is in plain); no effect without a draft",
+    )
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -268,6 +273,7 @@ class GenerationRequest(Lenient):
             presence_penalty=self.presence_penalty or 0.0,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             grammar=self.grammar(tool_parser),
+            speculative=self.speculative,
         )
 
     def grammar(self, tool_parser: str | None = None) -> Grammar | None:
