@@ -416,9 +416,9 @@ class CostModel:
         speculated = self.predicted_tokens_per_second(bucket, rung, own=own)
         plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
         if speculated is None:
-            return with_reason(self._explore(rung))
+            return self._explore(rung)
         if plain is None:
-            return with_reason(self._explore(PLAIN))
+            return self._explore(PLAIN)
         state = self._buckets.setdefault(bucket, Bucket())  # new: its costs interpolated
         best, loser = winner_and_loser(rung, speculated, plain, state.best)
         state.rival = rung
@@ -430,7 +430,7 @@ class CostModel:
         if self.rerun_loser(state, loser, backlog):
             state.last_rerun = state.decisions
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
-            return with_reason(self._explore(loser))
+            return self._explore(loser)
         if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left, own):
             return PLAIN, PlainReason.END  # this batch only: its requests end first
         return with_reason(best)
@@ -465,9 +465,9 @@ class CostModel:
             return since >= interval
         return since >= 2 * interval or (since >= interval and backlog <= SHORT_BACKLOG)
 
-    def _explore(self, rung: Rung) -> Rung:
+    def _explore(self, rung: Rung) -> tuple[Rung, PlainReason | None]:
         self.explorations += 1
-        return rung
+        return with_reason(rung)
 
     def observe(
         self,
