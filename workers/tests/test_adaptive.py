@@ -485,7 +485,7 @@ def test_a_request_that_opts_out_runs_its_batches_plain(demo_repetitive, overlap
     """``speculative: false``: alone, the request drafts nothing (every decode step
     runs plain, reason request); beside a speculating request it makes the batches
     they share plain; both stay token-exact, and once it is done the other
-    speculates again.  The cost model is off: otherwise the engine always speculates."""
+    speculates again.  The cost model is off, so every other batch speculates."""
     prompt, expected = demo_repetitive
     engine = start_engine(
         DEMO_TARGET,
