@@ -154,9 +154,11 @@ class PlainExecutor(StepExecutor):
         """Nothing: plain decode has no drafter."""
 
 
-# plain batches the policy chose leave the draft's extend for later (deferred_extend.py);
-# a switch back to speculation catches up first (a transition, not charged to plain)
-DEFERRING = (PlainReason.LOAD, PlainReason.COST, PlainReason.END, PlainReason.REQUEST)
+# plain batches leave the draft's extend for later (deferred_extend.py), whoever chose
+# them (load, cost model, a request's end or its opt-out), but the active rung 0's: its
+# steps probe the draft, which is how the adaptive controller climbs back.  A switch back
+# to speculation catches up first (a transition, not charged to plain)
+DEFERRING = frozenset(PlainReason) - {PlainReason.RUNG}
 
 
 def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
