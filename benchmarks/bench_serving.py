@@ -26,7 +26,10 @@ docs/ sent as a user message to /v1/chat/completions, which the server templates
 demo tokenizer has a chat template).  Printed per server, set and concurrency: output tok/s, TTFT, TPOT and ITL
 p50/p99; beside specd's served tok/s, its engine's in-process tok/s on the same prompts
 at batch = concurrency (bench_engine's worker); and the ratios served / in-process and
-specd served / vLLM served.
+specd served / vLLM served.  After each specd run, a line from ``/admin/status`` says
+what its speculation did (verify batches, plain steps by reason, the cost model's
+decisions).  ``--spec on off`` serves specd with its draft and then without it, and
+prints speculation / plain decode served and in-process from the one run.
 
 ``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
 256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
@@ -37,7 +40,7 @@ layer runs, each token is the successor of the last; ``tiny`` runs the checkpoin
 forward, which still takes about a third of the engine actor's CPU at concurrency 64.
 
     python benchmarks/bench_serving.py --vllm-python .venv-vllm/bin/python
-        [--spec-file examples/demo.yaml] [--spec on|off] [--cpu N] [--sets code chat]
+        [--spec-file examples/demo.yaml] [--spec on [off]] [--cpu N] [--sets code chat]
         [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm] [--json OUT]
     python benchmarks/bench_serving.py --capacity --vllm-python .venv-vllm/bin/python
         [--concurrency 64 256] [--num-prompts N] [--capacity-model null|tiny]
@@ -388,8 +391,51 @@ def serve_sets(
                                 num_prompts(args, c), work, tag)  # fmt: skip
             load = os.getloadavg()[0]  # others' work on a shared machine shows here
             print(f"  {tag}: {served.output_tok_s:.1f} tok/s, load average {load:.1f}", flush=True)
+            if server == "specd":
+                print(f"    {speculation_summary(url)}", flush=True)
             rows.append(Row(server, prompt_set.name, c, served))
     return rows
+
+
+def speculation_summary(url: str) -> str:
+    """What the replicas' speculation did so far, from ``/admin/status``."""
+    try:
+        actors = httpx.get(f"{url}/admin/status", timeout=10).json()["actors"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        return f"speculation: no status ({e})"
+    return summarize_speculation(actors)
+
+
+def summarize_speculation(actors: list[dict]) -> str:
+    """One line per replica of ``/admin/status`` ``actors``, counted since the server
+    started: requests' verify steps and mean accept length, verify batches run plain by
+    reason, the cost model's explorations, and each bucket's last winner (0 = plain) over
+    its decisions."""
+    from specd.workers.contracts import AdaptiveStatus, SpeculationTotals
+
+    parts = []
+    for actor in actors:
+        load = actor.get("load") or {}
+        if load.get("adaptive") is None or load.get("speculation") is None:
+            parts.append(f"{actor['name']}: no speculation")
+            continue
+        adaptive = AdaptiveStatus.model_validate(load["adaptive"])
+        totals = SpeculationTotals.model_validate(load["speculation"])
+        accept = 1 + totals.accepted_tokens / totals.verify_steps if totals.verify_steps else 0
+        plain = ", ".join(f"{k} {v}" for k, v in adaptive.plain_steps.model_dump().items() if v)
+        model = adaptive.cost_model
+        buckets = " ".join(
+            f"<={b.max_batch}: {b.best_steps}/{b.decisions}"
+            for b in (model.buckets if model else ())
+            if b.decisions
+        )
+        parts.append(
+            f"{actor['name']}: {totals.verify_steps} request verifies (accept length "
+            f"{accept:.2f}), plain batches ({plain or 'none'}), explorations "
+            f"{model.explorations if model else 0}, buckets' best steps / decisions "
+            f"{buckets or '-'}"
+        )
+    return "; ".join(parts)
 
 
 # -- in-process --------------------------------------------------------------------------
@@ -441,7 +487,9 @@ def table(rows: list[Row]) -> str:
         inproc = f"{r.in_process_tok_s:.1f}" if r.in_process_tok_s else "—"
         kept = f"{s.output_tok_s / r.in_process_tok_s:.2f}" if r.in_process_tok_s else "—"
         versus = (
-            f"{s.output_tok_s / vllm[key]:.2f}x" if r.server == "specd" and key in vllm else "—"
+            f"{s.output_tok_s / vllm[key]:.2f}x"
+            if r.server in ("specd", SPEC_OFF) and key in vllm
+            else "—"
         )
         lines.append(
             f"| {r.server} | {r.prompt_set} | {r.concurrency} | {s.output_tok_s:.1f} | {inproc} "
@@ -473,11 +521,21 @@ def machine() -> str:
 
 
 # -- the two modes -----------------------------------------------------------------------
+SPEC_OFF = "specd spec off"  # the server label of specd served without its draft
+
+
 def compare(args, work: Path) -> list[Row]:
-    spec_file = work / "served.yaml"
-    doc = served_spec_copy(
-        Path(args.spec_file), spec_file, args.cpu, args.spec == "on", args.stream_interval
-    )
+    docs = {
+        mode: served_spec_copy(
+            Path(args.spec_file),
+            work / f"served-{mode}.yaml",
+            args.cpu,
+            mode == "on",
+            args.stream_interval,
+        )
+        for mode in args.spec
+    }
+    doc = docs[args.spec[0]]
     model, name = Path(doc["spec"]["model"]["path"]), doc["spec"]["model"]["name"]
     tokenizer = _tokenizer(model)
     most = max(num_prompts(args, c) for c in args.concurrency)
@@ -486,7 +544,7 @@ def compare(args, work: Path) -> list[Row]:
     interval = doc["spec"].get("scheduler", {}).get("streamInterval", 1)
     print(f"# serving benchmark: {machine()}; client vllm bench serve; {model.name} float32")
     bind = vllm_env()["VLLM_CPU_OMP_THREADS_BIND"]
-    print(f"# specd: {args.spec_file} spec {args.spec}, resources.cpu {cpu}, "
+    print(f"# specd: {args.spec_file} spec {' and '.join(args.spec)}, resources.cpu {cpu}, "
           f"scheduler.streamInterval {interval}; vLLM: plain, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind}; {OUTPUT_TOKENS} greedy output tokens", flush=True)  # fmt: skip
     rows: list[Row] = []
@@ -494,17 +552,44 @@ def compare(args, work: Path) -> list[Row]:
         batches = {
             (s.name, c): prompt_ids(s, tokenizer)[:c] for s in sets for c in args.concurrency
         }
-        rates = in_process_tok_s(model, engine_fields(doc), batches, args.repeats)
-        with specd_server(spec_file, doc, work / "state") as url:
-            served = serve_sets(args, "specd", url, name, model, sets, work)
-        rows += [dataclasses.replace(r, in_process_tok_s=rates[r.prompt_set, r.concurrency])
-                 for r in served]  # fmt: skip
+        for mode, mode_doc in docs.items():
+            label = "specd" if mode == "on" else SPEC_OFF
+            rates = in_process_tok_s(model, engine_fields(mode_doc), batches, args.repeats)
+            with specd_server(
+                work / f"served-{mode}.yaml", mode_doc, work / f"state-{mode}"
+            ) as url:
+                served = serve_sets(args, label, url, name, model, sets, work)
+            rows += [dataclasses.replace(r, in_process_tok_s=rates[r.prompt_set, r.concurrency])
+                     for r in served]  # fmt: skip
     if "vllm" in args.servers:
         with vllm_server(args.vllm_python, model, name, max(args.concurrency),
                          work / "vllm-serve.log") as url:  # fmt: skip
             rows += serve_sets(args, "vllm", url, name, model, sets, work)
     print(table(rows))
+    print(speculation_ratios(rows))
     return rows
+
+
+def speculation_ratios(rows: list[Row]) -> str:
+    """Where one run served specd with and without its draft: speculation / plain decode,
+    served and in-process, per set and concurrency (empty otherwise)."""
+    plain = {(r.prompt_set, r.concurrency): r for r in rows if r.server == SPEC_OFF}
+    lines = []
+    for r in rows:
+        base = plain.get((r.prompt_set, r.concurrency))
+        if r.server != "specd" or base is None:
+            continue
+        served = r.served.output_tok_s / base.served.output_tok_s
+        in_process = (
+            f"{r.in_process_tok_s / base.in_process_tok_s:.2f}x"
+            if r.in_process_tok_s and base.in_process_tok_s
+            else "—"
+        )
+        lines.append(
+            f"speculation / plain decode, {r.prompt_set} at {r.concurrency}: "
+            f"served {served:.2f}x, in-process {in_process}"
+        )
+    return "\n".join(lines)
 
 
 def capacity_env(capacity_model: str) -> dict[str, str]:
@@ -568,7 +653,14 @@ def main(argv=None) -> int:
         help="capacity mode's engine: the null model (default) or the tiny checkpoint's forward",
     )
     ap.add_argument("--spec-file", default=str(DEMO_SPEC))
-    ap.add_argument("--spec", choices=("on", "off"), default="on", help="off: drop the draft")
+    ap.add_argument(
+        "--spec",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="off: drop the draft; 'on off' serves both, one after the other, and prints "
+        "their ratios",
+    )
     ap.add_argument("--cpu", type=float, help="override the SDD's resources.cpu")
     ap.add_argument("--sets", nargs="+", choices=("code", "chat"), default=["code", "chat"])
     ap.add_argument("--concurrency", type=int, nargs="+")

@@ -212,3 +212,64 @@ def test_capacity_mode_end_to_end(tmp_path):
     assert row["served"]["output_tok_s"] > 0
     assert "| 4 | 8 |" in done.stdout
     assert "with the null model" in done.stdout
+
+
+def test_speculation_ratios_pair_each_specd_row_with_its_plain_run(bench):
+    def row(server, tok_s, in_process, conc):
+        served = bench.Served(tok_s, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192)
+        return bench.Row(server, "code", conc, served, in_process)
+
+    rows = [
+        row("specd", 300.0, 400.0, 32),
+        row("specd", 60.0, 80.0, 1),
+        row(bench.SPEC_OFF, 250.0, 500.0, 32),
+        row("vllm", 400.0, None, 32),
+    ]
+    assert bench.speculation_ratios(rows).splitlines() == [
+        "speculation / plain decode, code at 32: served 1.20x, in-process 0.80x"
+    ]  # concurrency 1 had no plain run
+    assert bench.speculation_ratios(rows[:2]) == ""
+    assert "| specd spec off | code | 32 | 250.0 | 500.0 | 0.50 | 0.62x |" in bench.table(rows)
+
+
+def test_speculation_summary_reads_the_admin_status_contract(bench):
+    from specd.workers.contracts import (
+        AdaptiveStatus,
+        CostBucket,
+        CostModelStatus,
+        PlainSteps,
+        RungCost,
+        SpeculationTotals,
+    )
+
+    rung = RungCost(
+        steps=0, topk=1, draft_tokens=1, seconds_per_request=0.01, tokens_per_second=100.0
+    )
+    adaptive = AdaptiveStatus(
+        enabled=False, steps=5, topk=1, draft_tokens=6, ema=None, acceptance_rate=0.6,
+        batches=120, rung_changes=0, max_batch_for_spec=None,
+        cost_model=CostModelStatus(
+            calibration=None, explorations=3, catch_up_seconds_per_token=None,
+            accepted_drafts=(),
+            buckets=(
+                CostBucket(max_batch=32, decisions=40, best_steps=0, rungs=(rung,)),
+                CostBucket(max_batch=1, decisions=0, best_steps=None, rungs=(rung,)),
+            ),
+        ),
+        plain_steps=PlainSteps(rung=0, load=0, cost=70, end=4, request=0),
+    )  # fmt: skip
+    totals = SpeculationTotals(verify_steps=50, draft_tokens=250, accepted_tokens=100)
+    actors = [
+        {
+            "name": "r0",
+            "load": {
+                "adaptive": adaptive.model_dump(mode="json"),
+                "speculation": totals.model_dump(mode="json"),
+            },
+        },
+        {"name": "r1", "load": {"adaptive": None, "speculation": None}},
+    ]
+    assert bench.summarize_speculation(actors) == (
+        "r0: 50 request verifies (accept length 3.00), plain batches (cost 70, end 4), "
+        "explorations 3, buckets' best steps / decisions <=32: 0/40; r1: no speculation"
+    )
