@@ -117,6 +117,8 @@ def run_batch(workers, prompts, new_tokens, repeats, in_flight=None):
         if stats.get(name):
             pos = " ".join(f"{p:.2f}" for p in stats[name]["per_position"])
             line += f"  accept len {stats[name]['accept_len']:.2f}  per position [{pos}]"
+            if stats[name].get("verify_batch"):
+                line += f"  requests per verify {stats[name]['verify_batch']:.1f}"
         print(line)
     for name, m in med.items():
         if name != "specd":

@@ -492,6 +492,20 @@ def serving() -> dict:
                 "the previous one was resolved (near the decode/verify rate when it pays)",
             ),
             panel(
+                "Requests per step by kind (mean batch)",
+                [
+                    (
+                        f"{rate('specd_engine_step_requests_total', by=f'{PER_REPLICA}, kind')}"
+                        f" / {rate('specd_engine_steps_total', by=f'{PER_REPLICA}, kind')}",
+                        f"{REPLICA_LEGEND} {{{{kind}}}}",
+                    )
+                ],
+                description="verify: requests a verify step drafted for (under a served "
+                "load, fewer than maxRunningRequests while finished requests' successors "
+                "wait for the next prefill step); extend: requests in a step that read "
+                "prompts, decodes beside them included; decode: a plain decode step",
+            ),
+            panel(
                 "Structured-output requests/s by kind",
                 [rate_per_replica_by("specd_structured_requests_total", "kind")],
                 unit="reqps",

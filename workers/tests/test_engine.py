@@ -224,6 +224,28 @@ def test_a_step_wakes_each_consumer_loop_once(tiny_models):
     assert WakeCountingLoop.wakeups <= steps + len(prompts) < deltas
 
 
+def test_requests_per_step_are_counted_by_kind(tiny_models):
+    """``engine_step_requests_total`` counts each step's requests by the step's kind, so
+    over ``engine_steps_total`` it is the mean batch.  Plain decoding of short prompts
+    (one chunk each) puts a request in one step per token it samples."""
+    engine = start_engine(tiny_models("gqa"), kvCache={"pageSize": 4, "maxTokens": 4096})
+    try:
+        run_all(engine, random_prompts(5, 300, seed=5), max_tokens=6, ignore_eos=True)
+        requests = {
+            kind: metric_value(engine, "specd_engine_step_requests_total", kind=kind)
+            for kind in ("extend", "decode")
+        }
+        steps = {
+            kind: metric_value(engine, "specd_engine_steps_total", kind=kind)
+            for kind in ("extend", "decode")
+        }
+    finally:
+        engine.shutdown()
+    assert requests["extend"] + requests["decode"] == 5 * 6
+    assert steps["extend"] <= requests["extend"] and steps["decode"] <= requests["decode"]
+    assert 1 <= requests["decode"] / steps["decode"] <= 5
+
+
 def test_the_loop_thread_under_overlap_runs_torch_on_one_core_and_no_other_thread_does():
     """Under overlap the loop thread's torch ops must not start a second OpenMP team
     next to the compute thread's; the process default for new threads stays as it was."""

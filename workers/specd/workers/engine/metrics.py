@@ -101,6 +101,12 @@ class EngineMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
         )
         self.steps = counter("specd_engine_steps", "Scheduler steps run", ["kind"])
+        self.step_requests = counter(
+            "specd_engine_step_requests",
+            "Requests in the scheduler steps run, by step kind (over engine_steps_total: "
+            "the mean batch)",
+            ["kind"],
+        )
         self.steps_launched_ahead = counter(
             "specd_engine_steps_launched_ahead",
             "Steps launched before the previous one was resolved (overlap scheduling)",

@@ -137,6 +137,7 @@ class StepPipeline:
         if not batch.verify and any(n != 1 for n in batch.extend_lens):
             kind = "extend"
         self.metrics.steps.labels(self.metrics.replica, kind).inc()
+        self.metrics.step_requests.labels(self.metrics.replica, kind).inc(len(batch.reqs))
 
     def _emit_failed(self) -> None:
         for req in self.scheduler.failed:
