@@ -525,15 +525,12 @@ SPEC_OFF = "specd spec off"  # the server label of specd served without its draf
 
 
 def compare(args, work: Path) -> list[Row]:
+    spec_files = {mode: work / f"served-{mode}.yaml" for mode in args.spec}
     docs = {
         mode: served_spec_copy(
-            Path(args.spec_file),
-            work / f"served-{mode}.yaml",
-            args.cpu,
-            mode == "on",
-            args.stream_interval,
+            Path(args.spec_file), spec_file, args.cpu, mode == "on", args.stream_interval
         )
-        for mode in args.spec
+        for mode, spec_file in spec_files.items()
     }
     doc = docs[args.spec[0]]
     model, name = Path(doc["spec"]["model"]["path"]), doc["spec"]["model"]["name"]
@@ -555,9 +552,7 @@ def compare(args, work: Path) -> list[Row]:
         for mode, mode_doc in docs.items():
             label = "specd" if mode == "on" else SPEC_OFF
             rates = in_process_tok_s(model, engine_fields(mode_doc), batches, args.repeats)
-            with specd_server(
-                work / f"served-{mode}.yaml", mode_doc, work / f"state-{mode}"
-            ) as url:
+            with specd_server(spec_files[mode], mode_doc, work / f"state-{mode}") as url:
                 served = serve_sets(args, label, url, name, model, sets, work)
             rows += [dataclasses.replace(r, in_process_tok_s=rates[r.prompt_set, r.concurrency])
                      for r in served]  # fmt: skip

@@ -64,26 +64,25 @@ class Specd:
     def stats(self):
         """Mean tokens per verify (accepted drafts + bonus), their share by draft
         position, and the mean requests per verify step; None without speculation."""
+        from specd.devtools.testing import metric_value
+
         if not self.verify_steps:
             return None
-        by_position, by_kind = {}, {}
+        by_position = {}
         for family in self.engine.metrics.registry.collect():
-            for sample in family.samples:
-                if family.name == "specd_spec_accepted_by_position":
+            if family.name == "specd_spec_accepted_by_position":
+                for sample in family.samples:
                     by_position[int(sample.labels["position"])] = sample.value
-                elif family.name in ("specd_engine_steps", "specd_engine_step_requests"):
-                    by_kind[family.name, sample.labels["kind"]] = sample.value
         steps = self.verify_steps
-        verifies = by_kind.get(("specd_engine_steps", "verify"), 0.0)
+        verifies = metric_value(self.engine, "specd_engine_steps_total", kind="verify")
         return {
             "accept_len": (steps + self.accepted) / steps,
             "per_position": [
                 by_position.get(i, 0.0) / steps for i in range(1, 1 + max(by_position, default=0))
             ],
             "verify_batch": (
-                by_kind.get(("specd_engine_step_requests", "verify"), 0.0) / verifies
-                if verifies
-                else None
+                metric_value(self.engine, "specd_engine_step_requests_total", kind="verify")
+                / verifies
             ),
         }
 
