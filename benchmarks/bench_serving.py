@@ -68,6 +68,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_SPEC = REPO / "examples" / "demo.yaml"
@@ -387,14 +388,58 @@ def serve_sets(
                                 OUTPUT_TOKENS)  # fmt: skip
         for c in args.concurrency:
             tag = f"{server}-{prompt_set.name}-c{c}"
+            specd = server in ("specd", SPEC_OFF)
+            steps_before = step_counts(url) if specd else None
             served = run_client(args.vllm_python, url, name, model, prompt_set, dataset, c,
                                 num_prompts(args, c), work, tag)  # fmt: skip
             load = os.getloadavg()[0]  # others' work on a shared machine shows here
             print(f"  {tag}: {served.output_tok_s:.1f} tok/s, load average {load:.1f}", flush=True)
-            if server == "specd":
+            if specd:
                 print(f"    {speculation_summary(url)}", flush=True)
+                print(f"    {summarize_steps(steps_before, step_counts(url))}", flush=True)
             rows.append(Row(server, prompt_set.name, c, served))
     return rows
+
+
+STEP_KINDS = ("extend", "verify", "decode")  # the engine's step kinds (pipeline._count_step)
+
+
+def step_counts(url: str) -> dict[str, tuple[float, float]] | None:
+    """Each step kind's (steps, requests in them) so far, summed over the replicas, from
+    the gateway's ``/metrics``; None when it cannot be read."""
+    try:
+        return parse_step_counts(httpx.get(f"{url}/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return None
+
+
+def parse_step_counts(text: str) -> dict[str, tuple[float, float]]:
+    """``engine_steps_total`` and ``engine_step_requests_total`` of a metrics ``text``,
+    by step kind and summed over the replicas: kind -> (steps, requests)."""
+    columns = {"specd_engine_steps_total": 0, "specd_engine_step_requests_total": 1}
+    counts = {kind: [0.0, 0.0] for kind in STEP_KINDS}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in columns and sample.labels.get("kind") in counts:
+                counts[sample.labels["kind"]][columns[sample.name]] += sample.value
+    return {kind: (steps, requests) for kind, (steps, requests) in counts.items()}
+
+
+def summarize_steps(
+    before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
+) -> str:
+    """The engine steps of one client run by kind, with their mean batch: prefill steps
+    (``extend``, which also decode the running requests one token), verifies and plain
+    decode steps."""
+    if before is None or after is None:
+        return "steps: no metrics"
+    parts = []
+    for kind in STEP_KINDS:
+        steps = after[kind][0] - before[kind][0]
+        requests = after[kind][1] - before[kind][1]
+        if steps:
+            parts.append(f"{kind} {steps:.0f} x {requests / steps:.1f} requests")
+    return f"steps: {', '.join(parts) or 'none'}"
 
 
 def speculation_summary(url: str) -> str:

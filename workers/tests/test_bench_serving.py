@@ -273,3 +273,30 @@ def test_speculation_summary_reads_the_admin_status_contract(bench):
         "r0: 50 request verifies (accept length 3.00), plain batches (cost 70, end 4), "
         "explorations 3, buckets' best steps / decisions <=32: 0/40; r1: no speculation"
     )
+
+
+def test_step_mix_is_each_kinds_steps_and_mean_batch_over_one_run(bench):
+    """``parse_step_counts`` reads the engine's step counters from real ``EngineMetrics``
+    text (two replicas summed), and ``summarize_steps`` gives one run's difference."""
+    from specd.workers.engine.metrics import EngineMetrics
+
+    replicas = [EngineMetrics("r0"), EngineMetrics("r1")]
+
+    def count(metrics, kind, steps, requests):
+        metrics.steps.labels(metrics.replica, kind).inc(steps)
+        metrics.step_requests.labels(metrics.replica, kind).inc(requests)
+
+    def scrape():
+        return bench.parse_step_counts("".join(m.exposition().decode() for m in replicas))
+
+    count(replicas[0], "extend", 2, 10)
+    before = scrape()
+    count(replicas[0], "extend", 100, 3000)
+    count(replicas[1], "extend", 41, 1248)
+    count(replicas[1], "verify", 114, 3245)
+    after = scrape()
+    assert after["extend"] == (143, 4258) and after["decode"] == (0, 0)
+    assert bench.summarize_steps(before, after) == (
+        "steps: extend 141 x 30.1 requests, verify 114 x 28.5 requests"
+    )
+    assert bench.summarize_steps(before, None) == "steps: no metrics"
