@@ -755,6 +755,17 @@ def test_a_caught_up_draft_is_the_step_by_step_draft():
     assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)
 
 
+def test_a_verify_pays_the_catch_up_of_tokens_decoded_in_prefill_steps():
+    """Of a verify's catch-up, the share that read prefill steps' decodes is its own
+    cost (plain decoding never pays it); the share plain batches deferred is not."""
+    from specd.workers.engine.executors import prefill_catch_up_seconds
+
+    assert prefill_catch_up_seconds(0.010, 10, 4) == pytest.approx(0.004)
+    assert prefill_catch_up_seconds(0.010, 10, 10) == pytest.approx(0.010)
+    assert prefill_catch_up_seconds(0.010, 10, 0) == 0.0  # all deferred by plain batches
+    assert prefill_catch_up_seconds(0.0, 0, 3) == 0.0  # no catch-up in this verify
+
+
 def test_the_draft_catch_up_is_charged_to_plain():
     """Plain steps defer the draft's work; what its catch-up costs per token is added to
     plain's cost per request, and can turn the decision."""
@@ -862,6 +873,24 @@ def record_catch_ups(engine) -> list[int]:
     return read
 
 
+def record_charges_beyond_step_time(engine) -> list[float]:
+    """For each batch the cost model observed: the seconds it was given beyond the
+    step's own time (``_step_seconds``)."""
+    executor, step_times, charges = engine.executor, [], []
+    step_seconds, observe = executor._step_seconds, executor.policy.observe
+
+    def timing(batch, out):
+        step_times.append(step_seconds(batch, out))
+        return step_times[-1]
+
+    def observing(rung, reason, accepted, seconds, *rest):
+        charges.append(seconds - step_times.pop())
+        return observe(rung, reason, accepted, seconds, *rest)
+
+    executor._step_seconds, executor.policy.observe = timing, observing
+    return charges
+
+
 @pytest.mark.parametrize(
     "page_size,topk,overlap",
     [(1, 1, False), (16, 4, True)],
@@ -879,13 +908,18 @@ def test_drafting_requests_decode_plainly_in_prefill_steps(pair, page_size, topk
     engine = start_spec_engine(pair[0], pair[1], page_size=page_size, topk=topk, overlap=overlap)
     batches, catch_ups = record_extend_batches(engine), record_catch_ups(engine)
     mirrored = record_mirrored_backlogs(engine)
+    charges = record_charges_beyond_step_time(engine)
     try:
         outputs = run_lengths(engine, [short, *long], [100] + [20] * 5)
         assert outputs == expected
         check_leak_free(engine)
         decoded = metric_value(engine, "specd_spec_prefill_step_decodes_total")
+        prefill_catch_up = metric_value(engine, "specd_spec_prefill_catch_up_seconds_total")
     finally:
         engine.shutdown()
+    # the verify that read the tokens decoded in prefill steps was charged their catch-up
+    assert prefill_catch_up > 0 and sum(charges) == pytest.approx(prefill_catch_up)
+    assert sum(c > 0 for c in charges) >= 1 and min(charges) == 0
     with_decodes = [b for b in batches if any(b.plain_decodes)]
     assert decoded == sum(sum(b.plain_decodes) for b in batches) >= CATCH_UP_AT
     assert max(catch_ups) >= CATCH_UP_AT  # a full backlog read in one extend

@@ -161,6 +161,16 @@ class PlainExecutor(StepExecutor):
 DEFERRING = frozenset(PlainReason) - {PlainReason.RUNG}
 
 
+def prefill_catch_up_seconds(seconds: float, tokens: int, prefill_tokens: int) -> float:
+    """The part of a verify's draft catch-up (``seconds`` for ``tokens``) that read tokens
+    decoded in prefill steps: speculating pays it, plain decoding would not (it is the
+    verify's cost), unlike the tokens plain batches deferred (plain's cost).  Shared by
+    tokens read."""
+    if tokens <= 0 or seconds <= 0 or prefill_tokens <= 0:
+        return 0.0
+    return seconds * min(prefill_tokens, tokens) / tokens
+
+
 def spec_graph_rungs(speculative: SpeculativeSpec) -> list[Rung]:
     """The rungs a speculative engine may run, so captures graphs for: its ladder, and
     the plain rung when the policy may run a batch plain (cost model or threshold)."""
@@ -198,6 +208,7 @@ class SpeculativeExecutor(StepExecutor):
         self.publish_info()
         scheduler.on_release = self._forget_draft_state
         self._backlogs: dict[str, int] = {}  # rid -> deferred tokens the draft has not read
+        self._prefill_backlogs: dict[str, int] = {}  # rid -> those of them decoded in prefill steps
 
     def publish_info(self) -> None:
         """The drafter and the active rung's steps."""
@@ -266,7 +277,7 @@ class SpeculativeExecutor(StepExecutor):
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
             if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
                 self._backlogs.pop(req.rid, None)
-        self._count_backlogs(decoded, deferred=True)
+        self._count_backlogs(decoded, deferred=True, in_prefill=chosen is None)
         if any(self._backlogs.get(r.rid, 0) >= CATCH_UP_AT for r in decoded):
             self._count_backlogs(decoded, deferred=False)  # SpecDecoder.defer read them all
         if chosen is None:
@@ -364,11 +375,19 @@ class SpeculativeExecutor(StepExecutor):
         rung = batch.rung
         self.metrics.observe_rung(batch.plain_reason)
         accepted = out.accept_lens if rung.speculates else out.probes
+        deferred = batch.plain_reason in DEFERRING
+        prefill_catch_up = 0.0
+        if not deferred:
+            prefill_tokens = sum(self._prefill_backlogs.get(r.rid, 0) for r in batch.reqs)
+            prefill_catch_up = prefill_catch_up_seconds(
+                out.catch_up_seconds, out.catch_up_tokens, prefill_tokens
+            )
+            self.metrics.observe_prefill_catch_up(prefill_catch_up)
         self.policy.observe(
             rung,
             batch.plain_reason,
             accepted,
-            self._step_seconds(batch, out),
+            self._step_seconds(batch, out) + prefill_catch_up,
             len(batch.reqs),
             self._held_rids(r.rid for r in batch.reqs),
         )
@@ -376,7 +395,6 @@ class SpeculativeExecutor(StepExecutor):
             self.metrics.spec_hybrid_suffix_trees.inc(out.suffix_trees)
         if batch.rung.speculates and out.node_counts:
             self.metrics.spec_root_only_requests.inc(out.node_counts.count(1))
-        deferred = batch.plain_reason in DEFERRING
         if deferred:  # a full backlog: what staying plain costs
             self.policy.observe_catch_up(out.catch_up_seconds, out.catch_up_tokens)
         self._count_backlogs(batch.reqs, deferred and not out.catch_up_tokens)
@@ -430,17 +448,25 @@ class SpeculativeExecutor(StepExecutor):
         running = {r.rid for r in self.scheduler.running}
         return [rid if rid in running else None for rid in rids]
 
-    def _count_backlogs(self, reqs: Sequence[Req], deferred: bool) -> None:
+    def _count_backlogs(
+        self, reqs: Sequence[Req], deferred: bool, in_prefill: bool = False
+    ) -> None:
         """Host-side mirror of the decoder's backlogs, for the cost model: a deferred
-        step adds a token to each; any other step (or a catch-up) empties them."""
+        step adds a token to each (a prefill step's decode also to its prefill part);
+        any other step (or a catch-up) empties them."""
         for req in reqs:
             if req.finished:  # released already: nothing left to count
                 continue
-            self._backlogs[req.rid] = self._backlogs.get(req.rid, 0) + 1 if deferred else 0
+            if not deferred:
+                self._backlogs[req.rid] = self._prefill_backlogs[req.rid] = 0
+                continue
+            self._backlogs[req.rid] = self._backlogs.get(req.rid, 0) + 1
+            self._prefill_backlogs[req.rid] = self._prefill_backlogs.get(req.rid, 0) + in_prefill
 
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
         self._backlogs.pop(req.rid, None)
+        self._prefill_backlogs.pop(req.rid, None)
         self.policy.forget(req.rid)
         finished = req.finished and req.error is None
         self.compute.submit(self.decoder.drop, [req.rid], finished)

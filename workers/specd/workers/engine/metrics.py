@@ -173,6 +173,11 @@ class EngineMetrics:
             "Tokens drafting requests decoded plainly in a prefill step, beside its "
             "chunks, instead of waiting for the next verify (their draft reads them later)",
         )
+        self.spec_prefill_catch_up = counter(
+            "specd_spec_prefill_catch_up_seconds",
+            "Draft seconds spent reading the tokens that prefill steps decoded, in the "
+            "verifies that read them; the cost model counts them in the verify's cost",
+        )
         self.spec_shadow_walks = counter(
             "specd_spec_shadow_walks",
             "NGRAM drafts measured on plain steps: proposed where the engine decoded "
@@ -259,6 +264,11 @@ class EngineMetrics:
         """Count the tokens a prefill step decoded plainly for drafting requests."""
         if tokens:
             self.spec_prefill_step_decodes.inc(tokens)
+
+    def observe_prefill_catch_up(self, seconds: float) -> None:
+        """Count a verify's draft seconds on tokens decoded in prefill steps."""
+        if seconds > 0:
+            self.spec_prefill_catch_up.inc(seconds)
 
     def observe_shadow(self, accepted: tuple[int, ...]) -> None:
         """Count finished shadow walks and the drafts they accepted."""
