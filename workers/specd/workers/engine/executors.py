@@ -277,6 +277,7 @@ class SpeculativeExecutor(StepExecutor):
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
             if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
                 self._backlogs.pop(req.rid, None)
+                self._prefill_backlogs.pop(req.rid, None)
         self._count_backlogs(decoded, deferred=True, in_prefill=chosen is None)
         if any(self._backlogs.get(r.rid, 0) >= CATCH_UP_AT for r in decoded):
             self._count_backlogs(decoded, deferred=False)  # SpecDecoder.defer read them all
