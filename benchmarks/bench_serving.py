@@ -68,7 +68,6 @@ from pathlib import Path
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_SPEC = REPO / "examples" / "demo.yaml"
@@ -416,13 +415,21 @@ def step_counts(url: str) -> dict[str, tuple[float, float]] | None:
 def parse_step_counts(text: str) -> dict[str, tuple[float, float]]:
     """``engine_steps_total`` and ``engine_step_requests_total`` of a metrics ``text``,
     by step kind and summed over the replicas: kind -> (steps, requests)."""
-    columns = {"specd_engine_steps_total": 0, "specd_engine_step_requests_total": 1}
-    counts = {kind: [0.0, 0.0] for kind in STEP_KINDS}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in columns and sample.labels.get("kind") in counts:
-                counts[sample.labels["kind"]][columns[sample.name]] += sample.value
-    return {kind: (steps, requests) for kind, (steps, requests) in counts.items()}
+    from specd.devtools.testing import metric_in_text
+
+    def total(name: str, kind: str) -> float:
+        try:
+            return metric_in_text(text, name, kind=kind)
+        except KeyError:  # a kind no step of has run yet
+            return 0.0
+
+    return {
+        kind: (
+            total("specd_engine_steps_total", kind),
+            total("specd_engine_step_requests_total", kind),
+        )
+        for kind in STEP_KINDS
+    }
 
 
 def summarize_steps(

@@ -354,9 +354,15 @@ def check_leak_free(engine: Engine) -> None:
 
 
 def metric_value(engine: Engine, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    """Sum of the engine's samples of ``name`` whose labels include ``labels``."""
+    return metric_in_text(engine.metrics_text().decode(), name, **labels)
+
+
+def metric_in_text(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` in the exposition ``text`` whose labels include
+    ``labels``; KeyError when there is none."""
     found, total = False, 0.0
-    for family in text_string_to_metric_families(engine.metrics_text().decode()):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and labels.items() <= sample.labels.items():
                 found, total = True, total + sample.value

@@ -276,8 +276,7 @@ class SpeculativeExecutor(StepExecutor):
                 continue
             req.spec_ready = req.spec_ready or (sampled and not req.finished)
             if sampled:  # a prefill (or a retracted request's redo) leaves the draft current
-                self._backlogs.pop(req.rid, None)
-                self._prefill_backlogs.pop(req.rid, None)
+                self._drop_backlogs(req.rid)
         self._count_backlogs(decoded, deferred=True, in_prefill=chosen is None)
         if any(self._backlogs.get(r.rid, 0) >= CATCH_UP_AT for r in decoded):
             self._count_backlogs(decoded, deferred=False)  # SpecDecoder.defer read them all
@@ -464,10 +463,14 @@ class SpeculativeExecutor(StepExecutor):
             self._backlogs[req.rid] = self._backlogs.get(req.rid, 0) + 1
             self._prefill_backlogs[req.rid] = self._prefill_backlogs.get(req.rid, 0) + in_prefill
 
+    def _drop_backlogs(self, rid: str) -> None:
+        """Forget ``rid``'s mirrored backlog, its prefill part included."""
+        self._backlogs.pop(rid, None)
+        self._prefill_backlogs.pop(rid, None)
+
     def _forget_draft_state(self, req: Req) -> None:
         """The scheduler freed ``req``'s KV: drop its draft state (after steps in flight)."""
-        self._backlogs.pop(req.rid, None)
-        self._prefill_backlogs.pop(req.rid, None)
+        self._drop_backlogs(req.rid)
         self.policy.forget(req.rid)
         finished = req.finished and req.error is None
         self.compute.submit(self.decoder.drop, [req.rid], finished)
