@@ -25,7 +25,8 @@ held-out Python files sent to /v1/completions; ``chat``, prose paragraphs of the
 docs/ sent as a user message to /v1/chat/completions, which the server templates (the
 demo tokenizer has a chat template).  Printed per server, set and concurrency: output tok/s, TTFT, TPOT and ITL
 p50/p99; beside specd's served tok/s, its engine's in-process tok/s on the same prompts
-at batch = concurrency (bench_engine's worker); and the ratios served / in-process and
+(bench_engine's worker), as a closed batch of ``concurrency`` and under the client's own
+load (every request, ``concurrency`` in flight); and the ratios served / in-process and
 specd served / vLLM served.  After each specd run, a line from ``/admin/status`` says
 what its speculation did (verify batches, plain steps by reason, the cost model's
 decisions).  ``--spec on off`` serves specd with its draft and then without it, and
@@ -133,7 +134,8 @@ class Row:
     prompt_set: str
     concurrency: int
     served: Served
-    in_process_tok_s: float | None = None
+    in_process_tok_s: float | None = None  # the engine alone, a closed batch of ``concurrency``
+    in_process_load_tok_s: float | None = None  # the engine alone, under the client's load
 
 
 def read_result(path: Path) -> Served:
@@ -491,23 +493,44 @@ def summarize_speculation(actors: list[dict]) -> str:
 
 
 # -- in-process --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class InProcess:
+    """What specd's engine makes alone for one prompt set at one concurrency (output tok/s)."""
+
+    batch_tok_s: float  # a closed batch: ``concurrency`` prompts at once, ending together
+    load_tok_s: float  # the client's load: every prompt, ``concurrency`` in flight
+
+
 def in_process_tok_s(
-    model: Path, spec_fields: dict, batches: dict[tuple[str, int], list[list[int]]], repeats: int
-) -> dict[tuple[str, int], float]:
-    """specd's engine in its own process (bench_engine's worker, no HTTP, no Ray):
-    output tok/s for each batch of prompts, median of ``repeats`` after an untimed run
-    (a first batch of a new size runs slower, as it does in the server)."""
+    model: Path,
+    spec_fields: dict,
+    loads: dict[tuple[str, int], list[list[int]]],
+    repeats: int,
+) -> dict[tuple[str, int], InProcess]:
+    """specd's engine in its own process (bench_engine's worker, no HTTP, no Ray), for
+    each (set, concurrency) and its prompts: a closed batch of the first ``concurrency``,
+    and the same load as the client's (every prompt, ``concurrency`` in flight, the next
+    one starting as one ends: arrivals one by one, prompts read beside running decodes).
+    Medians of ``repeats`` after an untimed batch (a first batch of a new size runs
+    slower, as it does in the server)."""
     from bench_engine import Worker
 
-    largest = max(len(p) for p in batches.values())
+    largest = max(c for _, c in loads)
     worker = Worker("specd", sys.executable, str(model), "float32", largest,
                     spec=json.dumps(spec_fields))  # fmt: skip
+
+    def tok_s(prompts: list[list[int]], in_flight: int | None) -> float:
+        seconds = [worker.run(prompts, OUTPUT_TOKENS, in_flight)["seconds"] for _ in range(repeats)]
+        return len(prompts) * OUTPUT_TOKENS / statistics.median(seconds)
+
     try:
         rates = {}
-        for key, prompts in batches.items():
-            worker.run(prompts, OUTPUT_TOKENS)
-            seconds = [worker.run(prompts, OUTPUT_TOKENS)["seconds"] for _ in range(repeats)]
-            rates[key] = len(prompts) * OUTPUT_TOKENS / statistics.median(seconds)
+        for (name, concurrency), prompts in loads.items():
+            batch = prompts[:concurrency]
+            worker.run(batch, OUTPUT_TOKENS)
+            rates[name, concurrency] = InProcess(
+                batch_tok_s=tok_s(batch, None), load_tok_s=tok_s(prompts, concurrency)
+            )
         return rates
     finally:
         worker.close()
@@ -524,20 +547,35 @@ def _ms(pair: tuple[float, float]) -> str:
     return f"{pair[0]:.1f} / {pair[1]:.1f}"
 
 
+def _tok_s(rate: float | None) -> str:
+    return f"{rate:.1f}" if rate else "—"
+
+
+def _kept(served: float, rate: float | None) -> str:
+    return f"{served / rate:.2f}" if rate else "—"
+
+
 def table(rows: list[Row]) -> str:
-    """A Markdown table: one line per server, set and concurrency, with the ratios."""
+    """A Markdown table: one line per server, set and concurrency, with the ratios.
+    specd's engine alone is given twice: a closed batch of ``conc`` (all prompts at once,
+    ending together) and the client's own load (every request, ``conc`` in flight), so
+    that served / in-process under the same load is what the serving path keeps."""
     vllm = {
         (r.prompt_set, r.concurrency): r.served.output_tok_s for r in rows if r.server == "vllm"
     }
     lines = [
-        "| server | set | conc | output tok/s | in-process tok/s | served / in-process "
+        "| server | set | conc | output tok/s | in-process tok/s: batch / same load "
+        "| served / in-process: batch / same load "
         "| specd / vLLM | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         s, key = r.served, (r.prompt_set, r.concurrency)
-        inproc = f"{r.in_process_tok_s:.1f}" if r.in_process_tok_s else "—"
-        kept = f"{s.output_tok_s / r.in_process_tok_s:.2f}" if r.in_process_tok_s else "—"
+        inproc = f"{_tok_s(r.in_process_tok_s)} / {_tok_s(r.in_process_load_tok_s)}"
+        kept = (
+            f"{_kept(s.output_tok_s, r.in_process_tok_s)} / "
+            f"{_kept(s.output_tok_s, r.in_process_load_tok_s)}"
+        )
         versus = (
             f"{s.output_tok_s / vllm[key]:.2f}x"
             if r.server in ("specd", SPEC_OFF) and key in vllm
@@ -598,16 +636,21 @@ def compare(args, work: Path) -> list[Row]:
           f"VLLM_CPU_OMP_THREADS_BIND={bind}; {OUTPUT_TOKENS} greedy output tokens", flush=True)  # fmt: skip
     rows: list[Row] = []
     if "specd" in args.servers:
-        batches = {
-            (s.name, c): prompt_ids(s, tokenizer)[:c] for s in sets for c in args.concurrency
+        loads = {
+            (s.name, c): prompt_ids(s, tokenizer)[: num_prompts(args, c)]
+            for s in sets
+            for c in args.concurrency
         }
         for mode, mode_doc in docs.items():
             label = "specd" if mode == "on" else SPEC_OFF
-            rates = in_process_tok_s(model, engine_fields(mode_doc), batches, args.repeats)
+            rates = in_process_tok_s(model, engine_fields(mode_doc), loads, args.repeats)
             with specd_server(spec_files[mode], mode_doc, work / f"state-{mode}") as url:
                 served = serve_sets(args, label, url, name, model, sets, work)
-            rows += [dataclasses.replace(r, in_process_tok_s=rates[r.prompt_set, r.concurrency])
-                     for r in served]  # fmt: skip
+            for r in served:
+                alone = rates[r.prompt_set, r.concurrency]
+                rows.append(dataclasses.replace(
+                    r, in_process_tok_s=alone.batch_tok_s, in_process_load_tok_s=alone.load_tok_s
+                ))  # fmt: skip
     if "vllm" in args.servers:
         with vllm_server(args.vllm_python, model, name, max(args.concurrency),
                          work / "vllm-serve.log") as url:  # fmt: skip
@@ -615,6 +658,10 @@ def compare(args, work: Path) -> list[Row]:
     print(table(rows))
     print(speculation_ratios(rows))
     return rows
+
+
+def _ratio(rate: float | None, base: float | None) -> str:
+    return f"{rate / base:.2f}x" if rate and base else "—"
 
 
 def speculation_ratios(rows: list[Row]) -> str:
@@ -627,14 +674,11 @@ def speculation_ratios(rows: list[Row]) -> str:
         if r.server != "specd" or base is None:
             continue
         served = r.served.output_tok_s / base.served.output_tok_s
-        in_process = (
-            f"{r.in_process_tok_s / base.in_process_tok_s:.2f}x"
-            if r.in_process_tok_s and base.in_process_tok_s
-            else "—"
-        )
+        batch = _ratio(r.in_process_tok_s, base.in_process_tok_s)
+        load = _ratio(r.in_process_load_tok_s, base.in_process_load_tok_s)
         lines.append(
             f"speculation / plain decode, {r.prompt_set} at {r.concurrency}: "
-            f"served {served:.2f}x, in-process {in_process}"
+            f"served {served:.2f}x, in-process batch {batch}, same load {load}"
         )
     return "\n".join(lines)
 
@@ -714,7 +758,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, help="requests per run (default 8 x concurrency)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--servers", nargs="+", choices=("specd", "vllm"), default=["specd", "vllm"])
-    ap.add_argument("--repeats", type=int, default=3, help="in-process runs per batch")
+    ap.add_argument("--repeats", type=int, default=3, help="in-process runs per batch and per load")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if not args.vllm_python:

@@ -134,17 +134,42 @@ def test_served_spec_copy(bench, tmp_path, spec_on):
 
 
 def test_table_ratios(bench):
-    def row(server, tok_s, in_process=None, conc=32):
+    def row(server, tok_s, in_process=None, load=None, conc=32):
         served = bench.Served(tok_s, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192)
-        return bench.Row(server, "code", conc, served, in_process)
+        return bench.Row(server, "code", conc, served, in_process, load)
 
     text = bench.table(
-        [row("specd", 500.0, 1000.0), row("vllm", 400.0), row("specd", 60.0, conc=1)]
+        [row("specd", 500.0, 1000.0, 625.0), row("vllm", 400.0), row("specd", 60.0, conc=1)]
     )
     specd32, vllm32, specd1 = text.splitlines()[2:]
-    assert "| 500.0 | 1000.0 | 0.50 | 1.25x | 1.0 / 2.0 | 3.0 / 4.0 | 5.0 / 6.0 |" in specd32
-    assert "| 400.0 | — | — | — |" in vllm32
-    assert "| 60.0 | — | — | — |" in specd1  # no in-process number, no vLLM run at 1
+    assert (
+        "| 500.0 | 1000.0 / 625.0 | 0.50 / 0.80 | 1.25x | 1.0 / 2.0 | 3.0 / 4.0 | 5.0 / 6.0 |"
+        in specd32
+    )
+    assert "| 400.0 | — / — | — / — | — |" in vllm32
+    assert "| 60.0 | — / — | — / — | — |" in specd1  # no in-process number, no vLLM run at 1
+
+
+def test_in_process_runs_a_closed_batch_and_the_clients_own_load(bench, monkeypatch):
+    """The engine alone, twice per (set, concurrency): the first ``concurrency`` prompts
+    at once, then every prompt the client sends with ``concurrency`` in flight, so that
+    served / in-process compares the same load."""
+    import bench_engine
+
+    calls = []
+    real_run = bench_engine.Worker.run
+
+    def recorded(self, prompts, new_tokens, in_flight=None):
+        calls.append((len(prompts), in_flight))
+        return real_run(self, prompts, new_tokens, in_flight)
+
+    monkeypatch.setattr(bench_engine.Worker, "run", recorded)
+    prompts = [[1, 2, 3, 4 + i] for i in range(6)]
+    rates = bench.in_process_tok_s(bench.DEMO_TARGET, {}, {("code", 2): prompts}, repeats=2)
+    # an untimed batch, two timed closed batches, two timed runs of the whole load
+    assert calls == [(2, None), (2, None), (2, None), (6, 2), (6, 2)]
+    alone = rates["code", 2]
+    assert alone.batch_tok_s > 0 and alone.load_tok_s > 0
 
 
 def test_vllm_launcher_tolerates_the_cpu_wheels_name(bench, tmp_path):
@@ -215,21 +240,25 @@ def test_capacity_mode_end_to_end(tmp_path):
 
 
 def test_speculation_ratios_pair_each_specd_row_with_its_plain_run(bench):
-    def row(server, tok_s, in_process, conc):
+    def row(server, tok_s, in_process, load, conc):
         served = bench.Served(tok_s, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192)
-        return bench.Row(server, "code", conc, served, in_process)
+        return bench.Row(server, "code", conc, served, in_process, load)
 
     rows = [
-        row("specd", 300.0, 400.0, 32),
-        row("specd", 60.0, 80.0, 1),
-        row(bench.SPEC_OFF, 250.0, 500.0, 32),
-        row("vllm", 400.0, None, 32),
+        row("specd", 300.0, 400.0, 330.0, 32),
+        row("specd", 60.0, 80.0, 70.0, 1),
+        row(bench.SPEC_OFF, 250.0, 500.0, 300.0, 32),
+        row("vllm", 400.0, None, None, 32),
     ]
     assert bench.speculation_ratios(rows).splitlines() == [
-        "speculation / plain decode, code at 32: served 1.20x, in-process 0.80x"
+        "speculation / plain decode, code at 32: served 1.20x, in-process batch 0.80x, "
+        "same load 1.10x"
     ]  # concurrency 1 had no plain run
     assert bench.speculation_ratios(rows[:2]) == ""
-    assert "| specd spec off | code | 32 | 250.0 | 500.0 | 0.50 | 0.62x |" in bench.table(rows)
+    assert (
+        "| specd spec off | code | 32 | 250.0 | 500.0 / 300.0 | 0.50 / 0.83 | 0.62x |"
+        in bench.table(rows)
+    )
 
 
 def test_speculation_summary_reads_the_admin_status_contract(bench):
