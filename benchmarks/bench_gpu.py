@@ -239,7 +239,9 @@ def decode_weight_bytes(target: Path, dtype: str) -> int:
 
 
 # -- engines -----------------------------------------------------------------------------
-def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
+def engine_settings(args, draft: Path | None, backend: str) -> tuple[dict, BenchKnobs]:
+    """The SDD spec fields (less ``model.path``) and benchmark knobs of the engine this
+    benchmark times: plain when ``draft`` is None."""
     max_batch = max(args.batch)
     context = args.prompt_len + args.new_tokens + args.page_size
     shape = SpecShape(args.steps, args.topk, args.draft_tokens) if draft else None
@@ -273,6 +275,11 @@ def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
         force_accept_len=args.accept_len if draft else None,
         eager_elementwise=args.elementwise == "eager",
     )
+    return fields, knobs
+
+
+def make_engine(args, target: Path, draft: Path | None, backend: str) -> Engine:
+    fields, knobs = engine_settings(args, draft, backend)
     engine = Engine(spec_for_model(str(target), **fields), device=args.device, knobs=knobs)
     engine.start()
     return engine

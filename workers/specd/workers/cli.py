@@ -48,9 +48,10 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
     admin = load_admin_token()  # always one: /admin/* never runs open (docs/security.md)
     if not follow_config and not (os.environ.get("RAY_ADDRESS") or spec.ray.address):
         # a local Ray reads these folders too: refuse one that cannot load before it
+        from specd.workers.bench_knobs import BenchKnobs
         from specd.workers.model.preflight import check_model_folders
 
-        check_model_folders(spec)
+        check_model_folders(spec, weights=not BenchKnobs.from_env().dummy_weights)
     from specd.workers.gateway.app import Gateway  # imports Ray: only for `serve` and `gateway`
 
     gateway = Gateway(

@@ -56,11 +56,14 @@ def safetensors_headers(file: Path) -> dict[str, TensorHeader]:
     }
 
 
-def check_target(path: str, dtype: str) -> ModelConfig:
-    """The target folder would load (see the module docstring); returns its config."""
+def check_target(path: str, dtype: str, weights: bool = True) -> ModelConfig:
+    """The target folder would load (see the module docstring; its weights left out
+    unless ``weights``); returns its config."""
     folder = Path(path)
     config = load_model_config(folder)
     resolve_dtype(dtype, config)
+    if not weights:
+        return config
     found: dict[str, TensorHeader] = {}
     for file in weight_files(folder):
         found.update(safetensors_headers(file))
@@ -71,9 +74,9 @@ def check_target(path: str, dtype: str) -> ModelConfig:
     return config
 
 
-def check_draft(draft: DraftSpec, target: ModelConfig) -> DraftConfig:
-    """The draft's config.json agrees with the target and its weights exist; returns
-    its config."""
+def check_draft(draft: DraftSpec, target: ModelConfig, weights: bool = True) -> DraftConfig:
+    """The draft's config.json agrees with the target and (``weights``) its weights
+    exist; returns its config."""
     folder = Path(draft.path)
     config_file = folder / "config.json"
     if not folder.is_dir():
@@ -81,22 +84,25 @@ def check_draft(draft: DraftSpec, target: ModelConfig) -> DraftConfig:
     if not config_file.is_file():
         raise ModelLoadError(f"draft folder {folder} has no config.json")
     config = parse_draft_config(json.loads(config_file.read_text()), draft.algorithm, target)
-    if not any((folder / name).is_file() for name in _DRAFT_WEIGHT_FILES):
+    if weights and not any((folder / name).is_file() for name in _DRAFT_WEIGHT_FILES):
         raise ModelLoadError(
             f"no weights in {folder}: expected one of {', '.join(_DRAFT_WEIGHT_FILES)}"
         )
     return config
 
 
-def check_model_folders(spec: DeploymentSpec) -> None:
-    """Raise `ConfigError` naming the spec field whose folder would not load."""
-    target = _about("spec.model.path", check_target, spec.model.path, spec.model.dtype.value)
+def check_model_folders(spec: DeploymentSpec, weights: bool = True) -> None:
+    """Raise `ConfigError` naming the spec field whose folder would not load; without
+    ``weights`` (the benchmarks' dummy weights) the weight files are not looked at."""
+    target = _about(
+        "spec.model.path", check_target, spec.model.path, spec.model.dtype.value, weights
+    )
     tensor = spec.parallelism.tensor
     _about(FIELD, TpShape.of, target, tensor)
     tokenizer_field = "spec.model.tokenizer" if spec.model.tokenizer else "spec.model.path"
     _about(tokenizer_field, load_tokenizer, spec.model.tokenizer or spec.model.path)
     if spec.has_draft_model:  # NGRAM and SUFFIX have no draft folder
-        draft = _about("spec.draft.path", check_draft, spec.draft, target)
+        draft = _about("spec.draft.path", check_draft, spec.draft, target, weights)
         _about(FIELD, TpShape.of, draft.model, tensor, "draft")
 
 
