@@ -123,3 +123,24 @@ def test_serve_refuses_a_blank_admin_token(tmp_path, monkeypatch, capsys):
     )
     assert main(["serve", str(f)]) == EXIT_INVALID
     assert "SPECD_ADMIN_TOKEN is set but blank" in capsys.readouterr().err
+
+
+def test_serve_warns_of_bench_knobs_and_refuses_malformed_ones(tmp_path, monkeypatch, capsys):
+    """SPECD_BENCH_KNOBS is benchmark-only: `specd serve` says so when it is set, skips
+    the weight-file check only for dummy weights, and refuses a malformed one (exit 2)."""
+    for name in ("SPECD_API_KEY", "SPECD_API_KEY_FILE", "SPECD_ADMIN_TOKEN_FILE", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN", "s3cret")
+    f = tmp_path / "spec.yaml"
+    f.write_text(
+        "apiVersion: specd.dev/v1alpha1\nkind: SpecDecodeDeployment\nmetadata: {name: s}\n"
+        f"spec: {{model: {{path: {tmp_path / 'missing'}}}}}\n"
+    )
+    monkeypatch.setenv("SPECD_BENCH_KNOBS", '{"force_accept_len": 2}')
+    assert main(["serve", str(f)]) == EXIT_INVALID  # the folder is still checked
+    err = capsys.readouterr().err
+    assert "warning: SPECD_BENCH_KNOBS is set" in err and "force_accept_len=2.0" in err
+    assert "spec.model.path" in err
+    monkeypatch.setenv("SPECD_BENCH_KNOBS", "nope")
+    assert main(["serve", str(f)]) == EXIT_INVALID
+    assert "SPECD_BENCH_KNOBS is not JSON" in capsys.readouterr().err

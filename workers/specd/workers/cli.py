@@ -25,6 +25,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from specd.workers.bench_knobs import ENV_VAR, BenchKnobs, BenchKnobsError
 from specd.workers.config import (
     API_KEY_ENV,
     API_KEY_FILE_ENV,
@@ -46,12 +47,16 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
     api_keys = ApiKeys.from_env()
     check_api_keys_given(spec, api_keys)
     admin = load_admin_token()  # always one: /admin/* never runs open (docs/security.md)
+    knobs = BenchKnobs.from_env()
+    if knobs != BenchKnobs():
+        print(f"specd: warning: {ENV_VAR} is set, benchmark-only engine settings: {knobs}; "
+              "the replicas do not serve the model as its weights say", file=sys.stderr)  # fmt: skip
     if not follow_config and not (os.environ.get("RAY_ADDRESS") or spec.ray.address):
         # a local Ray reads these folders too: refuse one that cannot load before it
-        from specd.workers.bench_knobs import BenchKnobs
+        # (the benchmarks' dummy weights need no weight file)
         from specd.workers.model.preflight import check_model_folders
 
-        check_model_folders(spec, weights=not BenchKnobs.from_env().dummy_weights)
+        check_model_folders(spec, weights=not knobs.dummy_weights)
     from specd.workers.gateway.app import Gateway  # imports Ray: only for `serve` and `gateway`
 
     gateway = Gateway(
@@ -331,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("specd").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ConfigError, ModelLoadError) as err:
+    except (ConfigError, ModelLoadError, BenchKnobsError) as err:
         print(f"specd: {err}", file=sys.stderr)
         return EXIT_INVALID
 
