@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from specd.devtools.testing import check_leak_free, run_all, specd_serve
 from specd.devtools.tiny_draft import make_tiny_eagle
-from specd.workers.bench_knobs import ENV_VAR, BenchKnobs
+from specd.workers.bench_knobs import ENV_VAR, BenchKnobs, BenchKnobsError
 from specd.workers.config import ConfigError, spec_for_model
 from specd.workers.engine.engine import Engine
 from specd.workers.model.null_model import NullCausalLM, successor_table
@@ -137,12 +137,15 @@ def test_from_env_reads_the_variable(monkeypatch, value, knobs):
         ('["null_model"]', "must be a JSON object"),
         ('{"null_modle": true}', "unknown field 'null_modle'"),
         ('{"null_model": "yes"}', "field 'null_model' must be bool"),
+        ('{"force_accept_len": -1}', "force_accept_len -1.0 must be a finite number >= 1"),
+        ('{"force_accept_len": NaN}', "force_accept_len nan must be"),
+        ('{"force_accept_len": 1e309}', "force_accept_len inf must be"),
     ],
-    ids=["bad-json", "not-an-object", "unknown-field", "wrong-type"],
+    ids=["bad-json", "not-an-object", "unknown-field", "wrong-type", "below-1", "nan", "inf"],
 )
 def test_from_env_refuses_naming_the_variable_and_the_known_fields(monkeypatch, value, message):
     monkeypatch.setenv(ENV_VAR, value)
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(BenchKnobsError) as refused:
         BenchKnobs.from_env()
     text = str(refused.value)
     assert text.startswith(ENV_VAR) and message in text

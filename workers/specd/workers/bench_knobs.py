@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -49,9 +50,10 @@ class BenchKnobs:
     null_model: bool = False
 
     def __post_init__(self) -> None:
-        if self.force_accept_len is not None and self.force_accept_len < 1:
+        accept = self.force_accept_len
+        if accept is not None and not (math.isfinite(accept) and accept >= 1):
             raise ValueError(
-                f"force_accept_len {self.force_accept_len} must be >= 1 (tokens per verify "
+                f"force_accept_len {accept} must be a finite number >= 1 (tokens per verify "
                 "including the bonus)"
             )
 
@@ -73,7 +75,10 @@ class BenchKnobs:
             if name not in hints:
                 raise _env_error(f"has an unknown field {name!r}")
             fields[name] = _typed(name, value, hints[name])
-        return cls(**fields)
+        try:
+            return cls(**fields)
+        except ValueError as err:
+            raise _env_error(str(err)) from None
 
     def as_env(self) -> dict[str, str]:
         """``SPECD_BENCH_KNOBS`` naming the fields that differ from the defaults, for a
