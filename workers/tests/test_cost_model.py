@@ -696,6 +696,12 @@ def test_plain_steps_under_load_defer_the_draft_and_catch_up(pair, page_size, to
         engine.shutdown()
 
 
+# The demo draft in float32 on every CPU, for tests that compare draft states to 1e-4:
+# `auto` picks bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX), and
+# there a batched extend and one-token extends round differently.
+EXACT_DRAFT = {"path": DEMO_EAGLE, "dtype": "float32"}
+
+
 def record_draft_states(engine, rid: str) -> dict[int, torch.Tensor]:
     """After every verify step and every plain batch's deferral (where a full backlog
     catches up): ``rid``'s draft state, by its root position, when current (a backlog
@@ -725,7 +731,7 @@ def test_a_caught_up_draft_is_the_step_by_step_draft():
     as usual, and its output is plain decode's."""
     prompt = hash_line_prompt()
     lengths = [CATCH_UP_AT + 16, CATCH_UP_AT + 80]
-    fields = dict(kvCache={"pageSize": 4}, draft={"path": DEMO_EAGLE}, debug={"strictMemCheck": 1})
+    fields = dict(kvCache={"pageSize": 4}, draft=EXACT_DRAFT, debug={"strictMemCheck": 1})
     step_by_step = start_engine(
         DEMO_TARGET,
         speculative={"numSteps": 3, "adaptive": {"enabled": True, "candidateSteps": [0]}},
@@ -945,7 +951,7 @@ def test_a_draft_left_behind_by_prefill_steps_catches_up_to_the_step_by_step_dra
     fields = dict(
         kvCache={"pageSize": 4},
         scheduler={"chunkedPrefillSize": 16},
-        draft={"path": DEMO_EAGLE},
+        draft=EXACT_DRAFT,
         debug={"strictMemCheck": 1},
     )
     alone = start_engine(

@@ -164,14 +164,16 @@ DEMO_TREE = {"numSteps": 3, "topk": 4, "numDraftTokens": 8}
 
 def demo_run(graphs, speculative, page, device="cpu", dtype="float32", backend="triton"):
     """The shipped trained pair (real acceptance) on Python source: prompts, outputs, each
-    request's (verify steps, accepted drafts), and the graph status."""
+    request's (verify steps, accepted drafts), and the graph status.  The draft in the
+    target's dtype, as on CUDA (on a CPU with native bfloat16 `auto` would make it
+    bfloat16 beside a float32 target)."""
     engine = start_engine(
         DEMO_TARGET,
         device=device,
         model={"dtype": dtype},
         attentionBackend=backend,
         kvCache={"pageSize": page, "maxTokens": 4096},
-        draft={"path": DEMO_EAGLE},
+        draft={"path": DEMO_EAGLE, "dtype": dtype},
         speculative=speculative,
         cudaGraph={"enabled": graphs, "maxBatchSize": 4},
         debug={"strictMemCheck": 1},

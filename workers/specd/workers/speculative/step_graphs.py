@@ -79,6 +79,7 @@ class SpecGraphs:
         self.pad_row = decoder.req_pool.pad_row
         self.pad_slot = decoder.target_pool.pad_slot
         self.dtype = next(decoder.target.parameters()).dtype
+        self.draft_dtype = decoder.head.dtype  # its features, hidden and KV (may differ on CPU)
         self.buffers = self._shared_buffers(rungs, sizes)
         graph = partial(GraphRunner, sizes=sizes, device=self.device)
         self.draft = {
@@ -147,7 +148,7 @@ class SpecGraphs:
         layout = self.dec.layout_for(rung)
         hidden = self.dec.head.config.model.hidden_size
         ints, _ = DraftInputs.pack(layout, [self.pad_row] * size, [0] * size, [0] * size)
-        feats = torch.zeros(2, size, hidden, dtype=self.dtype, device=self.device)
+        feats = torch.zeros(2, size, hidden, dtype=self.draft_dtype, device=self.device)
         inputs = DraftInputs.view(host_tensor(ints, self.device), layout, size, feats[0], feats[1])
         shape = self._draft_shape(size * rung.topk, 1, False)
         plans = [
@@ -201,7 +202,7 @@ class SpecGraphs:
             plan=self.dec.backend.graph_plan(shape, self.device, self.buffers),
             features=None
             if verify
-            else torch.zeros(n, config.hidden_size, dtype=self.dtype, device=self.device),
+            else torch.zeros(n, config.hidden_size, dtype=self.draft_dtype, device=self.device),
         )
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         mask = torch.zeros(0, dtype=torch.bool, device=self.device) if verify else None
@@ -267,12 +268,13 @@ class SpecGraphs:
     def _forward_shape(self, size: int, qo_len: int, verify: bool) -> GraphShape:
         """A verify (the target, tree mask) or a draft extend (the draft, causal)."""
         config = self.dec.target.config if verify else self.dec.head.config.model
-        return model_graph_shape(config, size, qo_len, self.dec.req_pool.width, verify, self.dtype)
+        dtype = self.dtype if verify else self.draft_dtype
+        return model_graph_shape(config, size, qo_len, self.dec.req_pool.width, verify, dtype)
 
     def _draft_shape(self, batch: int, qo_len: int, custom_mask: bool) -> GraphShape:
         config = self.dec.head.config.model
         return model_graph_shape(
-            config, batch, qo_len, self.dec.req_pool.width, custom_mask, self.dtype
+            config, batch, qo_len, self.dec.req_pool.width, custom_mask, self.draft_dtype
         )
 
 
