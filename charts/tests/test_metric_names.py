@@ -21,7 +21,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.devtools.testing import DEMO_MODELS, running_gateway
+from specd.devtools.testing import DEMO_MODELS, metric_in_text, running_gateway
 from specd.operator.metrics import OperatorMetrics
 from specd.operator.testing.cluster import free_port
 from specd.workers.config import spec_for_model
@@ -124,7 +124,8 @@ def gateway() -> Iterator[str]:
 
 
 def serve_mixed_traffic(url: str) -> None:
-    """Plain, speculative, two at once, structured and session requests."""
+    """Plain, speculative, opted out of speculation, two at once, structured and session
+    requests."""
     with httpx.Client(base_url=url, timeout=60) as c:
 
         def complete(prompt: str, **extra) -> None:
@@ -133,6 +134,9 @@ def serve_mixed_traffic(url: str) -> None:
             assert r.status_code == 200, r.text
 
         complete("# " + "-" * 60 + "\n")
+        # opted out: its verify batches run plain (reason "request") whatever this machine's
+        # timings make of the cost model, so the plain-steps family is always exported
+        complete("def plain():", speculative=False)
         complete("Answer:", regex="(yes|no)", max_tokens=8)  # structured output
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(complete, ["Hello there", "Once upon a time"]))
@@ -192,6 +196,7 @@ def test_the_scrape_has_every_speculative_family(scrape):
         "specd_grammar_compile_seconds_bucket",
     ):
         assert name in names, name
+    assert metric_in_text(scrape, "specd_spec_plain_steps_total", reason="request") > 0
     leak = [
         s
         for f in text_string_to_metric_families(scrape)
