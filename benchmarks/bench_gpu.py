@@ -326,8 +326,18 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int, args, ta
     return time.perf_counter() - t0, results
 
 
+def warm_up_tokens(args) -> int:
+    """Output tokens per request of the untimed run before a batch's timed ones."""
+    return min(args.new_tokens, 16)
+
+
+def accept_length(verify_steps: int, accepted: int) -> float | None:
+    """Mean tokens per verify, the bonus included (None: no verify)."""
+    return (verify_steps + accepted) / verify_steps if verify_steps else None
+
+
 def time_batch(engine: Engine, prompts: list[list[int]], args, tag: str) -> Timing:
-    run_once(engine, prompts, min(args.new_tokens, 16), args, f"{tag}-warm")
+    run_once(engine, prompts, warm_up_tokens(args), args, f"{tag}-warm")
     before = dict(engine.step_seconds)
     walls, per_token, steps, accepted = [], [], 0, 0
     for rep in range(args.repeats):
@@ -342,7 +352,7 @@ def time_batch(engine: Engine, prompts: list[list[int]], args, tag: str) -> Timi
     return Timing(
         tok_s=len(prompts) * args.new_tokens / statistics.median(walls),
         ms_per_token=1e3 * statistics.median(per_token),
-        accept_len=(steps + accepted) / steps if steps else None,
+        accept_len=accept_length(steps, accepted),
         host_share=host / max(host + model, 1e-9),
         retractions=engine.status().retractions,
     )
@@ -400,7 +410,7 @@ def progress(line: str) -> None:
 
 
 # -- report ------------------------------------------------------------------------------
-def _number(value: float | None, fmt: str) -> str:
+def number(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
@@ -414,11 +424,11 @@ def print_table(rows: list[dict]) -> None:
         p, s = r["plain"], r["spec"] or {}
         print(
             f"| {r['backend']} | {r['batch']} | {r['plain_tok_s']:.1f} "
-            f"| {_number(r['spec_tok_s'], '.1f')} | {_number(r['speedup'], '.2f')}"
+            f"| {number(r['spec_tok_s'], '.1f')} | {number(r['speedup'], '.2f')}"
             f"{'' if r['speedup'] is None else 'x'} "
             f"| {accept_text(r)} | {p['ms_per_token']:.2f} "
-            f"| {_number(s.get('ms_per_token'), '.2f')} | {p['host_share']:.0%} / "
-            f"{_number(s.get('host_share'), '.0%')} |"
+            f"| {number(s.get('ms_per_token'), '.2f')} | {p['host_share']:.0%} / "
+            f"{number(s.get('host_share'), '.0%')} |"
         )
 
 

@@ -95,13 +95,6 @@ class ServedRun:
     verify_steps: int  # the requests' verifies, from their usage
     accepted: int  # drafts accepted in them
 
-    @property
-    def accept_len(self) -> float | None:
-        """Tokens per verify, the bonus included (None: no verify)."""
-        return (
-            (self.verify_steps + self.accepted) / self.verify_steps if self.verify_steps else None
-        )
-
 
 def served_run(url: str, prompts: list[list[int]], new_tokens: int, timeout: float) -> ServedRun:
     """Every prompt streamed at once; raises unless each request got ``new_tokens``."""
@@ -130,19 +123,17 @@ def time_served(args, url: str, vocab: int) -> dict[int, tuple[float, float | No
     rates = {}
     for batch in args.batch:
         prompts = bench_gpu.make_prompts(batch, args.prompt_len, vocab)
-        served_run(url, prompts, min(args.new_tokens, 16), args.run_timeout)
+        served_run(url, prompts, bench_gpu.warm_up_tokens(args), args.run_timeout)
         runs = [
             served_run(url, prompts, args.new_tokens, args.run_timeout) for _ in range(args.repeats)
         ]
         tok_s = batch * args.new_tokens / statistics.median(r.seconds for r in runs)
-        accept = ServedRun(0.0, sum(r.verify_steps for r in runs), sum(r.accepted for r in runs))
-        rates[batch] = (tok_s, accept.accept_len)
-        bench_gpu.progress(f"[served] batch {batch}: {tok_s:.1f} tok/s{_accept(accept.accept_len)}")
+        accept_len = bench_gpu.accept_length(
+            sum(r.verify_steps for r in runs), sum(r.accepted for r in runs)
+        )
+        rates[batch] = (tok_s, accept_len)
+        bench_gpu.progress(f"[served] batch {batch}: {tok_s:.1f} tok/s{_accept(accept_len)}")
     return rates
-
-
-def _two_places(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def _accept(accept_len: float | None) -> str:
@@ -172,7 +163,8 @@ def table(rows: list[dict]) -> str:
     lines += [
         f"| {r['batch']} | {r['in_process_tok_s']:.1f} | {r['served_tok_s']:.1f} "
         f"| {r['served_over_in_process']:.2f} "
-        f"| {_two_places(r['in_process_accept_len'])} / {_two_places(r['served_accept_len'])} |"
+        f"| {bench_gpu.number(r['in_process_accept_len'], '.2f')} / "
+        f"{bench_gpu.number(r['served_accept_len'], '.2f')} |"
         for r in rows
     ]
     goal = next((r for r in rows if r["batch"] == GOAL_BATCH), None)
@@ -218,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = rows_of(in_process, time_served(args, url, vocab))
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "rows": rows}, indent=2, default=str))  # fmt: skip
+        report = {"args": vars(args), "rows": rows}
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     return 0
 
 
