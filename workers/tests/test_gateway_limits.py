@@ -203,6 +203,8 @@ BAD = {
         "stop_token_ids",
     ),
     "stop_token_ids out of vocab": (CMPL, {**A, "stop_token_ids": [V]}, "stop_token_ids"),
+    "stop empty": (CMPL, {**A, "stop": ""}, "stop"),
+    "stop list with an empty one": (CHAT, {**M, "stop": ["x", ""]}, "stop"),
     "stop_token_ids negative": (CMPL, {**A, "stop_token_ids": [5, -1]}, "stop_token_ids[1]"),
     "stop_token_ids past int64": (CMPL, {**A, "stop_token_ids": [2**70]}, "stop_token_ids[0]"),
     # today: 500 (str.isdigit() takes them, int() does not)
