@@ -30,7 +30,9 @@ load (every request, ``concurrency`` in flight); and the ratios served / in-proc
 specd served / vLLM served.  After each specd run, a line from ``/admin/status`` says
 what its speculation did (verify batches, plain steps by reason, the cost model's
 decisions).  ``--spec on off`` serves specd with its draft and then without it, and
-prints speculation / plain decode served and in-process from the one run.
+prints speculation / plain decode served and in-process from the one run;
+``--rounds 2`` serves them twice, in the order on off off on (a VM whose speed drifts
+over the run favours neither), and prints each round's ratio and their median.
 
 ``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
 256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
@@ -41,7 +43,7 @@ layer runs, each token is the successor of the last; ``tiny`` runs the checkpoin
 forward, which still takes about a third of the engine actor's CPU at concurrency 64.
 
     python benchmarks/bench_serving.py --vllm-python .venv-vllm/bin/python
-        [--spec-file examples/demo.yaml] [--spec on [off]] [--cpu N] [--sets code chat]
+        [--spec-file examples/demo.yaml] [--spec on [off]] [--rounds N] [--cpu N] [--sets code chat]
         [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm] [--json OUT]
     python benchmarks/bench_serving.py --capacity --vllm-python .venv-vllm/bin/python
         [--concurrency 64 256] [--num-prompts N] [--capacity-model null|tiny]
@@ -136,6 +138,7 @@ class Row:
     served: Served
     in_process_tok_s: float | None = None  # the engine alone, a closed batch of ``concurrency``
     in_process_load_tok_s: float | None = None  # the engine alone, under the client's load
+    round: int = 1  # ``--rounds``: which pass over the servers (their order alternates)
 
 
 def read_result(path: Path) -> Served:
@@ -569,8 +572,10 @@ def table(rows: list[Row]) -> str:
         "| specd / vLLM | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    rounds = any(r.round > 1 for r in rows)
     for r in rows:
         s, key = r.served, (r.prompt_set, r.concurrency)
+        server = f"{r.server} (round {r.round})" if rounds and r.server != "vllm" else r.server
         inproc = f"{_tok_s(r.in_process_tok_s)} / {_tok_s(r.in_process_load_tok_s)}"
         kept = (
             f"{_kept(s.output_tok_s, r.in_process_tok_s)} / "
@@ -582,7 +587,7 @@ def table(rows: list[Row]) -> str:
             else "—"
         )
         lines.append(
-            f"| {r.server} | {r.prompt_set} | {r.concurrency} | {s.output_tok_s:.1f} | {inproc} "
+            f"| {server} | {r.prompt_set} | {r.concurrency} | {s.output_tok_s:.1f} | {inproc} "
             f"| {kept} | {versus} | {_ms(s.ttft_ms)} | {_ms(s.tpot_ms)} | {_ms(s.itl_ms)} |"
         )
     return "\n".join(lines)
@@ -641,15 +646,20 @@ def compare(args, work: Path) -> list[Row]:
             for s in sets
             for c in args.concurrency
         }
-        for mode, mode_doc in docs.items():
+        rates = {}
+        for round_, mode in server_order(args.spec, args.rounds):
             label = "specd" if mode == "on" else SPEC_OFF
-            rates = in_process_tok_s(model, engine_fields(mode_doc), loads, args.repeats)
-            with specd_server(spec_files[mode], mode_doc, work / f"state-{mode}") as url:
+            if mode not in rates:
+                rates[mode] = in_process_tok_s(
+                    model, engine_fields(docs[mode]), loads, args.repeats
+                )
+            with specd_server(spec_files[mode], docs[mode], work / f"state-{mode}-{round_}") as url:
                 served = serve_sets(args, label, url, name, model, sets, work)
             for r in served:
-                alone = rates[r.prompt_set, r.concurrency]
+                alone = rates[mode][r.prompt_set, r.concurrency]
                 rows.append(dataclasses.replace(
-                    r, in_process_tok_s=alone.batch_tok_s, in_process_load_tok_s=alone.load_tok_s
+                    r, in_process_tok_s=alone.batch_tok_s, in_process_load_tok_s=alone.load_tok_s,
+                    round=round_,
                 ))  # fmt: skip
     if "vllm" in args.servers:
         with vllm_server(args.vllm_python, model, name, max(args.concurrency),
@@ -660,26 +670,48 @@ def compare(args, work: Path) -> list[Row]:
     return rows
 
 
+def server_order(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in the order specd is served: every mode once per round, the order
+    reversed each round (on off, off on, ...), so that a machine whose speed drifts
+    over the run favours neither side of a ratio."""
+    return [
+        (k, mode)
+        for k in range(1, rounds + 1)
+        for mode in (modes if k % 2 else list(reversed(modes)))
+    ]
+
+
 def _ratio(rate: float | None, base: float | None) -> str:
     return f"{rate / base:.2f}x" if rate and base else "—"
 
 
 def speculation_ratios(rows: list[Row]) -> str:
     """Where one run served specd with and without its draft: speculation / plain decode,
-    served and in-process, per set and concurrency (empty otherwise)."""
-    plain = {(r.prompt_set, r.concurrency): r for r in rows if r.server == SPEC_OFF}
-    lines = []
+    served (each round's own pair) and in-process, per set and concurrency (empty
+    otherwise); over several rounds, the median of the rounds' served ratios too."""
+    plain = {(r.prompt_set, r.concurrency, r.round): r for r in rows if r.server == SPEC_OFF}
+    several = any(r.round > 1 for r in rows)
+    lines, served_ratios = [], {}
     for r in rows:
-        base = plain.get((r.prompt_set, r.concurrency))
+        base = plain.get((r.prompt_set, r.concurrency, r.round))
         if r.server != "specd" or base is None:
             continue
         served = r.served.output_tok_s / base.served.output_tok_s
+        served_ratios.setdefault((r.prompt_set, r.concurrency), []).append(served)
         batch = _ratio(r.in_process_tok_s, base.in_process_tok_s)
         load = _ratio(r.in_process_load_tok_s, base.in_process_load_tok_s)
+        round_ = f" (round {r.round})" if several else ""
         lines.append(
-            f"speculation / plain decode, {r.prompt_set} at {r.concurrency}: "
+            f"speculation / plain decode, {r.prompt_set} at {r.concurrency}{round_}: "
             f"served {served:.2f}x, in-process batch {batch}, same load {load}"
         )
+    for (prompt_set, concurrency), ratios in served_ratios.items():
+        if len(ratios) > 1:
+            each = ", ".join(f"{x:.2f}x" for x in ratios)
+            lines.append(
+                f"speculation / plain decode, {prompt_set} at {concurrency}, served over "
+                f"{len(ratios)} rounds: median {statistics.median(ratios):.2f}x (each {each})"
+            )
     return "\n".join(lines)
 
 
@@ -759,8 +791,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--servers", nargs="+", choices=("specd", "vllm"), default=["specd", "vllm"])
     ap.add_argument("--repeats", type=int, default=3, help="in-process runs per batch and per load")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="serve specd's --spec modes this many times, the order reversed each round "
+        "(on off, off on: a drifting machine favours neither), with each round's ratio",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     if not args.vllm_python:
         print("bench_serving: no client. It drives the servers with `vllm bench serve`, from a "
               "vLLM CPU virtualenv given as --vllm-python (see this script's docstring); no "

@@ -329,3 +329,42 @@ def test_step_mix_is_each_kinds_steps_and_mean_batch_over_one_run(bench):
         "steps: extend 141 x 30.1 requests, verify 114 x 28.5 requests"
     )
     assert bench.summarize_steps(before, None) == "steps: no metrics"
+
+
+def test_rounds_reverse_the_server_order_and_pair_within_a_round(bench):
+    """--rounds: on off, off on, ...; each round's specd row is divided by the plain run
+    of the same round, and the rounds' served ratios get a median."""
+    assert bench.server_order(["on", "off"], 3) == [
+        (1, "on"), (1, "off"), (2, "off"), (2, "on"), (3, "on"), (3, "off")
+    ]  # fmt: skip
+    assert bench.server_order(["on"], 2) == [(1, "on"), (2, "on")]
+
+    def row(server, tok_s, round_):
+        served = bench.Served(tok_s, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192)
+        return bench.Row(server, "code", 32, served, 400.0, 330.0, round=round_)
+
+    rows = [
+        row("specd", 300.0, 1),
+        row(bench.SPEC_OFF, 250.0, 1),
+        row(bench.SPEC_OFF, 400.0, 2),
+        row("specd", 360.0, 2),
+    ]
+    assert bench.speculation_ratios(rows).splitlines() == [
+        "speculation / plain decode, code at 32 (round 1): served 1.20x, in-process batch "
+        "1.00x, same load 1.00x",
+        "speculation / plain decode, code at 32 (round 2): served 0.90x, in-process batch "
+        "1.00x, same load 1.00x",
+        "speculation / plain decode, code at 32, served over 2 rounds: median 1.05x "
+        "(each 1.20x, 0.90x)",
+    ]
+    lines = bench.table(rows).splitlines()[2:]
+    assert [line.split(" | ")[0] for line in lines] == [
+        "| specd (round 1)", "| specd spec off (round 1)",
+        "| specd spec off (round 2)", "| specd (round 2)",
+    ]  # fmt: skip
+
+
+def test_rounds_must_be_positive(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0", "--vllm-python", sys.executable])
+    assert "--rounds must be at least 1, not 0" in capsys.readouterr().err
