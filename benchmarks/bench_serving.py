@@ -43,8 +43,9 @@ layer runs, each token is the successor of the last; ``tiny`` runs the checkpoin
 forward, which still takes about a third of the engine actor's CPU at concurrency 64.
 
     python benchmarks/bench_serving.py --vllm-python .venv-vllm/bin/python
-        [--spec-file examples/demo.yaml] [--spec on [off]] [--rounds N] [--cpu N] [--sets code chat]
-        [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm] [--json OUT]
+        [--spec-file examples/demo.yaml] [--spec on [off]] [--rounds N] [--cpu N]
+        [--sets code chat] [--concurrency 1 8 32] [--num-prompts N] [--servers specd vllm]
+        [--json OUT]
     python benchmarks/bench_serving.py --capacity --vllm-python .venv-vllm/bin/python
         [--concurrency 64 256] [--num-prompts N] [--capacity-model null|tiny]
 """

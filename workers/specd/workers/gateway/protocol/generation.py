@@ -189,10 +189,13 @@ class GenerationRequest(Lenient):
             return ()
         if isinstance(value, str):
             value = [value]
-        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
-        if isinstance(value, list) and "" in value:  # it would match before any output
-            raise ValueError("an empty stop sequence would end the output at once; leave it out")
+        if isinstance(value, list):  # else the field's type check names what it is
+            if len(value) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+            if "" in value:  # it would match before any output
+                raise ValueError(
+                    "an empty stop sequence would end the output at once; leave it out"
+                )
         return value
 
     @field_validator("stop_token_ids", mode="before")
