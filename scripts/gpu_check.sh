@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of the CUDA backends (issue 6), for one CUDA machine, no network needed:
-#   bash scripts/gpu_check.sh [tests|bench|all] [OUT_DIR] [PYTEST_ARGS... | BENCH_ARGS...]
+#   bash scripts/gpu_check.sh [tests|bench|served|all] [OUT_DIR] [PYTEST_ARGS... | BENCH_ARGS...]
 # Runs the gpu-marked tests (the lossless matrix on every CUDA backend installed, kernels
 # against the torch reference, captured CUDA graphs) and the GPU benchmark (8B shape,
 # batch 1 and 32), and writes their logs and the benchmark's JSON to OUT_DIR
 # (default ./gpu-check); PYTEST_ARGS (e.g. -k flashinfer, or -n 8 with pytest-xdist: the
 # tests bound their KV pools, so workers share one GPU) narrow or spread the tests; with
 # `bench`, BENCH_ARGS go to bench_gpu.py instead (e.g. --overlap on --backends triton
-# flashinfer).  Packages: specd's dependencies as usual (pip install -e '.[test,gpu]'),
+# flashinfer).  `served` runs only bench_gpu_served.py (the same engine in-process and
+# through `specd serve`; BENCH_ARGS go to it; its bundle needs --serving).
+# Packages: specd's dependencies as usual (pip install -e '.[test,gpu]'),
 # or, offline, the bundle of scripts/offline_gpu_bundle.py in $SPECD_BUNDLE: its site
 # folder is unpacked to /tmp/specd-site (later runs on the same host reuse it without
 # SPECD_BUNDLE) and its packed demo weights restore any missing from examples/models/.
@@ -22,11 +24,23 @@ if [[ -n "${SPECD_BUNDLE:-}" ]]; then
   python3 scripts/offline_gpu_bundle.py "$SPECD_BUNDLE" --unpack-to "$site" || exit
 fi
 [[ -d "$site" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c 'import specd.workers' 2>/dev/null || export PYTHONPATH="workers:kernels${PYTHONPATH:+:$PYTHONPATH}"
+if ! python3 -c 'import specd.workers' 2>/dev/null; then  # run from this checkout's sources
+  export PYTHONPATH="workers:kernels:operator${PYTHONPATH:+:$PYTHONPATH}"
+  # the CLI reads specd's version from its metadata: give the sources a dist-info
+  version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+  mkdir -p "$site/specd-$version.dist-info" && export PYTHONPATH="$site:$PYTHONPATH"
+  printf 'Metadata-Version: 2.1\nName: specd\nVersion: %s\n' "$version" \
+    > "$site/specd-$version.dist-info/METADATA"
+fi
 export PYTHONUNBUFFERED=1
 { nvidia-smi; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' || true; } \
   2>&1 | tee "$out/env.log"
+if [[ "$what" == served ]]; then
+  python3 benchmarks/bench_gpu_served.py --json "$out/served.json" "$@" 2>&1 \
+    | tee "$out/served.log"
+  exit
+fi
 if [[ "$what" != bench ]]; then
   # only the modules with gpu tests: the others import the serving stack (Ray, FastAPI, ...)
   mapfile -t modules < <(grep -l "mark.gpu" kernels/tests/*.py workers/tests/*.py)

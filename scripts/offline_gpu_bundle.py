@@ -52,7 +52,18 @@ BASE = [
     "rpds-py",
 ]
 FLASHINFER = ["flashinfer-python>=0.7.2,<0.8"]
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64"]
+# what ``specd serve`` adds (bench_gpu_served.py): the gateway's web stack and Ray core
+# (no ``[default]`` extras: the local Ray starts without its dashboard)
+SERVING = ["ray", "fastapi", "starlette", "uvicorn", "annotated-doc", "opentelemetry-api"]
+# never loaded by a local Ray's driver, raylet or workers: the Java jars, the dashboard's
+# web client and the libraries on top of Ray core
+RAY_DROPPED = ("jars", "dashboard/client/build", "rllib", "tune", "train", "data", "serve", "llm")
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",  # the same as 2_17, but pip matches the name (ray's wheel)
+]
 # under flashinfer/data: what the JIT's include paths and the attention modules' generated
 # sources read (flashinfer/jit/env.py); csrc keeps its top-level files only
 DATA_KEPT = (
@@ -142,6 +153,17 @@ def trim_flashinfer(site: Path) -> int:
     return removed
 
 
+def trim_ray(site: Path) -> int:
+    """Delete ``RAY_DROPPED`` from the unpacked ``site/ray``; returns the bytes removed."""
+    removed = 0
+    for rel in RAY_DROPPED:
+        folder = site / "ray" / rel
+        if folder.is_dir():
+            removed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder)
+    return removed
+
+
 def download(out: Path, requirements: list[str], python_version: str) -> None:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run(
@@ -152,16 +174,28 @@ def download(out: Path, requirements: list[str], python_version: str) -> None:
     )  # fmt: skip
 
 
+def extract_wheel(wheel: Path, site: Path) -> None:
+    """Unpack ``wheel`` into ``site``, keeping its executables' mode (Ray's raylet and GCS
+    server), which ``ZipFile.extractall`` drops."""
+    with zipfile.ZipFile(wheel) as z:
+        for member in z.infolist():
+            path = Path(z.extract(member, site))
+            mode = member.external_attr >> 16
+            if mode & 0o111:
+                path.chmod(mode & 0o777)
+
+
 def pack_site(out: Path, requirements: list[str], python_version: str) -> Path:
     """Download, unpack and trim the wheels; write ``out/site.tar.xz``."""
     with tempfile.TemporaryDirectory() as tmp:
         wheels, site = Path(tmp) / "wheels", Path(tmp) / "site"
         download(wheels, requirements, python_version)
         for wheel in sorted(wheels.glob("*.whl")):
-            with zipfile.ZipFile(wheel) as z:
-                z.extractall(site)
+            extract_wheel(wheel, site)
         if (site / "flashinfer").is_dir():
             print(f"flashinfer: trimmed {trim_flashinfer(site) / 2**20:.0f} MiB")
+        if (site / "ray").is_dir():
+            print(f"ray: trimmed {trim_ray(site) / 2**20:.0f} MiB")
         archive = out / "site.tar.xz"
         with tarfile.open(archive, "w:xz", preset=9) as tar:
             tar.add(site, arcname=".")
@@ -196,11 +230,22 @@ def unpack(bundle: Path, site: Path) -> list[Path]:
     return restored
 
 
+def installed_version(name: str) -> str:
+    """The version installed here: the host gets what the tests here ran."""
+    from importlib.metadata import version
+
+    return version(name)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--no-flashinfer", action="store_true", help="Triton backend only")
     ap.add_argument("--models", action="store_true", help="also the demo weights, packed")
+    ap.add_argument(
+        "--serving", action="store_true",
+        help="also Ray core and the web stack, for bench_gpu_served.py",
+    )  # fmt: skip
     ap.add_argument("--python-version", default="3.12", help="the host's Python")
     ap.add_argument("--unpack-to", type=Path, help="on the host: unpack the bundle OUT here")
     args = ap.parse_args()
@@ -209,8 +254,10 @@ def main() -> int:
             print(f"restored {weights}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    files = [pack_site(args.out, BASE + ([] if args.no_flashinfer else FLASHINFER),
-                       args.python_version)]  # fmt: skip
+    requirements = BASE + ([] if args.no_flashinfer else FLASHINFER)
+    if args.serving:
+        requirements += [f"{name}=={installed_version(name)}" for name in SERVING]
+    files = [pack_site(args.out, requirements, args.python_version)]
     if args.models:
         files += pack_models(args.out)
     for f in files:

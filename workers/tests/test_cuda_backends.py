@@ -60,7 +60,7 @@ def run_case(pair, backend, case, ref: Reference, **extra):
         )
     else:
         steps, topk, algorithm, overlap = case["spec"]
-        draft = eagle if algorithm == "EAGLE" else eagle3
+        draft = {"EAGLE": eagle, "EAGLE3": eagle3}.get(algorithm)  # None: draft-free
         engine = start_spec_engine(
             target,
             draft,
@@ -108,6 +108,7 @@ INTERPRETER_CASES = [
     case(16, (1, 1, "EAGLE", False), marks=pytest.mark.slow),
     case(4, (5, 1, "EAGLE3", True), marks=pytest.mark.slow),
     case(4, (3, 4, "EAGLE", True), graphs=False, marks=pytest.mark.slow),
+    case(16, (3, 4, "SUFFIX", True), marks=pytest.mark.slow),
 ]
 
 
@@ -258,6 +259,13 @@ GPU_MATRIX = (
         for overlap in (False, True)
     ]
     + [case(page, (3, 4, "EAGLE", True), graphs=False) for page in (1, 16)]
+    + [  # draft-free: prompt lookup and the suffix tree propose, the target verifies
+        case(page, (3, topk, algorithm, overlap))
+        for algorithm in ("NGRAM", "SUFFIX")
+        for page in (1, 16)
+        for topk in (1, 4)
+        for overlap in (False, True)
+    ]
 )
 
 

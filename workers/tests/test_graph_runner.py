@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -78,6 +81,39 @@ def test_a_body_that_reads_changing_host_state_replays_it_stale():
     runner.capture()
     scale["value"] = 3.0
     assert runner.run(2).tolist() == [2.0, 2.0]
+
+
+class _Cycle:
+    """Refers to itself: only a garbage collection frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_no_garbage_is_collected_during_a_capture():
+    """A collection inside a capture could destroy a dropped graph mid-capture (which
+    invalidates a CUDA capture): garbage goes before, none during, collection resumes
+    after, also when the body fails."""
+    enabled_in_body = []
+
+    def body(x):
+        enabled_in_body.append(gc.isenabled())
+        return 2 * x
+
+    dropped = weakref.ref(_Cycle())
+    assert dropped() is not None
+    runner = GraphRunner(lambda size: torch.zeros(size), body, [1, 2], torch.device("cpu"))
+    runner.capture()
+    assert dropped() is None  # collected before the captures began
+    assert enabled_in_body == [False, False] and gc.isenabled()
+
+    def failing(x):
+        raise ValueError("a body that fails")
+
+    runner = GraphRunner(lambda size: torch.zeros(size), failing, [1], torch.device("cpu"))
+    with pytest.raises(ValueError, match="fails"):
+        runner.capture()
+    assert gc.isenabled()
 
 
 def test_a_body_that_syncs_cannot_be_captured():

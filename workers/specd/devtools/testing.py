@@ -232,7 +232,8 @@ def start_spec_engine(
     """A speculative engine with strict leak checks; ``tokens`` defaults to the chain's
     ``steps + 1``, or for a tree ``min(topk * steps + 1, 2 * steps + 2)``; ``policy``:
     ``speculative.policy`` (default: always speculate, ``pinned_speculation``);
-    ``draft_fields``: more ``spec.draft`` fields (a token map, a dtype)."""
+    ``draft_fields``: more ``spec.draft`` fields (a token map, a dtype); ``draft`` None for
+    the draft-free algorithms (NGRAM, SUFFIX)."""
     tokens = tokens or default_num_draft_tokens(steps, topk, cap=2 * steps + 2)
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if policy is not None:
@@ -241,7 +242,11 @@ def start_spec_engine(
         target,
         kvCache={"pageSize": page_size, "maxTokens": 4096},
         scheduler={"chunkedPrefillSize": 16, "overlap": overlap, **extra.pop("scheduler", {})},
-        draft={"path": draft, "algorithm": algorithm, **(draft_fields or {})},
+        draft={
+            "algorithm": algorithm,
+            **({"path": draft} if draft else {}),
+            **(draft_fields or {}),
+        },
         speculative=speculative,
         debug={"strictMemCheck": 1},
         **extra,

@@ -23,9 +23,11 @@ capture itself needs a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +45,22 @@ def default_sizes(max_batch_size: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every 8 up to ``max_batch_size``."""
     small = [s for s in (1, 2, 4) if s < max_batch_size]
     return small + list(range(8, max_batch_size, 8)) + [max_batch_size]
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Collect garbage now, then none until the block ends. Since torch 2.9 a capture no
+    longer collects first, so a cycle holding a dropped engine's CUDA graph could be
+    collected mid-capture on the capturing thread, and its graph's reset invalidates the
+    capture (pytorch/pytorch#161037; seen intermittently in the gpu suite, 2026-11-30)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(slots=True)
@@ -85,19 +103,21 @@ class GraphRunner(Generic[B]):
         eagerly first, so kernels compile and
         lazily made scratch buffers exist outside the capture.  Bodies run under inference
         mode, as the engine's eager steps do; other threads may use the device meanwhile
-        (thread-local capture errors, thread-local recording)."""
+        (thread-local capture errors, thread-local recording). No garbage is collected
+        during the captures (``garbage_collection_paused``)."""
         start = time.perf_counter()
-        if self.mode == "captured":
-            self._capture_cuda(
-                pool if pool is not None else torch.cuda.graph_pool_handle(),
-                stream if stream is not None else torch.cuda.Stream(self.device),
-            )
-        else:
-            for size in reversed(self.sizes):
-                entry = self._captured[size]
-                entry.graph = EmulatedGraph()
-                with entry.graph.capture():
-                    entry.outputs = self.body(entry.bucket)
+        with garbage_collection_paused():
+            if self.mode == "captured":
+                self._capture_cuda(
+                    pool if pool is not None else torch.cuda.graph_pool_handle(),
+                    stream if stream is not None else torch.cuda.Stream(self.device),
+                )
+            else:
+                for size in reversed(self.sizes):
+                    entry = self._captured[size]
+                    entry.graph = EmulatedGraph()
+                    with entry.graph.capture():
+                        entry.outputs = self.body(entry.bucket)
         self.capture_seconds = time.perf_counter() - start
         log.info("%s %d graphs in %.1f s", self.mode, len(self.sizes), self.capture_seconds)
 
