@@ -13,9 +13,9 @@ from ray.exceptions import RayError, RaySystemError
 
 from specd.workers.pool.delta_channel import SLOW_READER_CODE, DeltaChannel, PendingStream
 from specd.workers.pool.delta_outbox import DeltaOutbox
-from specd.workers.pool.delta_socket import DeltaListener, send_batches
+from specd.workers.pool.delta_socket import ChannelCommands, DeltaListener, send_batches
 from specd.workers.pool.replica import ReplicaError
-from specd.workers.types import FinishReason, GenerateDelta, TokenLogprob, Usage
+from specd.workers.types import FinishReason, GenerateDelta, GenerateRequest, TokenLogprob, Usage
 
 
 def _token(i: int, *, logprob: bool = False) -> GenerateDelta:
@@ -137,9 +137,7 @@ def _channel(actor: _Actor, listener: DeltaListener) -> tuple[DeltaChannel, list
         errors.append(err)
         return ReplicaError("r0", f"replica r0 failed: {err}", lost=True)
 
-    channel = DeltaChannel(
-        "r0", actor, "c", listener, on_error, lambda _: None, lambda: None, 2.0
-    )
+    channel = DeltaChannel("r0", actor, "c", listener, on_error, lambda _: None, lambda: None, 2.0)
     return channel, errors
 
 
@@ -153,6 +151,38 @@ async def test_a_channel_delivers_each_requests_deltas_to_it(listener):
         assert (await a.next()).token_ids == (1,)
         assert (await b.next()).finished
     channel._reader.cancel()  # the gateway goes: its socket closes, the actor's sender ends
+    await asyncio.wait({channel._reader})
+
+
+async def test_requests_and_cancels_reach_the_actor_one_frame_per_loop_pass(listener):
+    """Requests submitted before the actor connected go once it has; those of one loop
+    pass share a frame (a burst reaches the engine together), a cancel after its request."""
+    frames: list[ChannelCommands] = []
+    arrived = asyncio.Event()
+
+    def record(commands: ChannelCommands) -> None:
+        frames.append(commands)
+        arrived.set()
+
+    async def connects_late(address, outbox):
+        await asyncio.sleep(0.05)
+        await send_batches(address, outbox, record)
+
+    channel, _ = _channel(_Actor(connects_late), listener)
+    for rid in ("a", "b"):
+        channel.register(rid, 8)
+        channel.submit(GenerateRequest(rid=rid, prompt_ids=(1, 2)))
+    async with asyncio.timeout(5):
+        await arrived.wait()
+        assert [[r.rid for r in f.submits] for f in frames] == [["a", "b"]]
+        arrived.clear()
+        for rid in ("c", "d", "e"):  # one loop pass: one frame
+            channel.submit(GenerateRequest(rid=rid, prompt_ids=(3,)))
+        channel.cancel("d")
+        await arrived.wait()
+    assert [r.rid for r in frames[1].submits] == ["c", "d", "e"]
+    assert frames[1].cancels == ("d",) and len(frames) == 2
+    channel._reader.cancel()
     await asyncio.wait({channel._reader})
 
 

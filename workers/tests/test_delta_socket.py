@@ -13,12 +13,14 @@ import pytest
 
 from specd.workers.pool.delta_outbox import DeltaOutbox
 from specd.workers.pool.delta_socket import (
+    ChannelCommands,
     DeltaListener,
     DeltaWireError,
     read_batches,
     send_batches,
+    write_frame,
 )
-from specd.workers.types import GenerateDelta
+from specd.workers.types import GenerateDelta, GenerateRequest
 
 
 def _delta(rid: str, token: int) -> GenerateDelta:
@@ -47,6 +49,27 @@ async def test_batches_cross_in_order_and_a_closing_gateway_ends_the_sender():
     writer.close()  # the gateway's process went
     await asyncio.wait({sender}, timeout=5)
     assert sender.done()
+    listener.close()
+
+
+async def test_the_gateways_commands_reach_the_actor_and_a_frame_out_of_format_ends_it():
+    """The other way: the actor hands each `ChannelCommands` on; anything else from the
+    gateway (here a pickled dict) ends the channel, and nothing of it is applied."""
+    listener = DeltaListener()
+    address, connected = await listener.expect()
+    received: list[ChannelCommands] = []
+    sender = asyncio.ensure_future(send_batches(address, DeltaOutbox(), received.append))
+    async with asyncio.timeout(5):
+        _, writer = await connected
+        commands = ChannelCommands((GenerateRequest(rid="a", prompt_ids=(1,)),), ("z",))
+        write_frame(writer, commands)
+        while not received:
+            await asyncio.sleep(0.01)
+        assert received == [commands]
+        write_frame(writer, {"submits": ()})
+        await asyncio.wait({sender})
+    assert received == [commands]
+    writer.close()
     listener.close()
 
 

@@ -1,10 +1,10 @@
 """The engine actor: one `Engine` in a Ray actor process, plus draining.
 
-The pool controller creates these with `create_engine_actor`.  The gateway reads every
-request's deltas from one connection per replica (``deltas(channel, address)``, which
-connects to the gateway: `delta_channel`, `delta_socket`), ``submit``-s each request to
-that channel, and ``cancel``-s one it leaves early, which closes the engine's generator
-and so aborts the request inside the engine.
+The pool controller creates these with `create_engine_actor`.  Each gateway opens one
+channel per replica (``deltas(channel, address)``, which connects to the gateway:
+`delta_channel`, `delta_socket`) and sends its requests on that connection, and the
+cancels of those it leaves early; a cancel closes the engine's generator and so aborts
+the request inside the engine.  The requests' deltas come back on it.
 
 Session calls answer a `SessionReply` instead of raising: Ray wraps an actor's
 exceptions, and the gateway needs the engine's status code as is.
@@ -34,7 +34,7 @@ from specd.workers.contracts import DELTA_WIRE, ReplicaInfo, ReplicaStatus
 from specd.workers.engine.engine import Engine
 from specd.workers.model.config import ModelLoadError
 from specd.workers.pool.delta_outbox import DeltaOutbox
-from specd.workers.pool.delta_socket import DeltaAddress, send_batches
+from specd.workers.pool.delta_socket import ChannelCommands, DeltaAddress, send_batches
 from specd.workers.pool.rank_actor import (
     in_bundle,
     rank_gpus,
@@ -100,7 +100,6 @@ class EngineActor:
         self._draining = False
         self._inflight = 0
         self._load_error: str | None = None
-        self._outboxes: dict[str, DeltaOutbox] = {}  # by channel: one per gateway
         rendezvous, self._ranks = None, None
         if spec.parallelism.tensor > 1:  # this actor is rank 0; the others are its children
             self._ranks = start_ranks(spec, ray.get_runtime_context().get_actor_name())
@@ -123,32 +122,23 @@ class EngineActor:
                 self._ranks.kill()
 
     async def deltas(self, channel: str, address: DeltaAddress) -> None:
-        """Send channel ``channel``'s deltas to the gateway at ``address``, batched, for as
-        long as the gateway keeps the connection (this call stays open meanwhile, so
-        the gateway learns from Ray if this actor dies); when it closes, the channel's
-        requests are cancelled."""
-        outbox = self._outbox(channel)
+        """Serve channel ``channel`` of the gateway at ``address``: its requests in, their
+        deltas out, batched, for as long as the gateway keeps the connection (this call
+        stays open meanwhile, so the gateway learns from Ray if this actor dies); when
+        it closes, the channel's requests are cancelled."""
+        outbox = DeltaOutbox()
         try:
-            await send_batches(address, outbox)
+            await send_batches(address, outbox, lambda commands: self._apply(outbox, commands))
         finally:
             outbox.close()
-            if self._outboxes.get(channel) is outbox:
-                del self._outboxes[channel]
 
-    async def submit(self, req: GenerateRequest, channel: str) -> None:
-        """Start ``req``; its deltas go out on ``channel``."""
-        self._outbox(channel).forward(req.rid, self._generate(req))
-
-    async def cancel(self, rid: str, channel: str) -> None:
-        """End ``rid`` (the engine aborts it); unknown or finished: nothing to do."""
-        if (outbox := self._outboxes.get(channel)) is not None:
+    def _apply(self, outbox: DeltaOutbox, commands: ChannelCommands) -> None:
+        """The gateway's frame: start its requests (their deltas go to ``outbox``), then
+        end those it cancels (the engine aborts them; unknown or finished: nothing)."""
+        for req in commands.submits:
+            outbox.forward(req.rid, self._generate(req))
+        for rid in commands.cancels:
             outbox.cancel(rid)
-
-    def _outbox(self, channel: str) -> DeltaOutbox:
-        """``channel``'s outbox: made by whichever of ``deltas`` and ``submit`` comes first."""
-        if (outbox := self._outboxes.get(channel)) is None:
-            outbox = self._outboxes[channel] = DeltaOutbox()
-        return outbox
 
     async def _generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """``req``'s deltas; while draining, refuse it with a 503 delta."""

@@ -9,12 +9,14 @@ the engine produced for every request of a channel into one `DeltaBatch` wheneve
 socket has taken the last one (`delta_socket`), so a batch carries at least an engine
 step's deltas and more when the gateway lags.  The gateway's end (`DeltaChannel`) reads
 the batches and hands each delta to its request's `PendingStream` by request id.  Ray
-still carries the calls: ``deltas`` (open for the channel's life: if it fails, Ray
-says why, e.g. that the actor died), ``submit`` and ``cancel``.
+carries one call per channel, ``deltas``, open for the channel's life (if it fails, Ray
+says why, e.g. that the actor died).
 
-A request is ``submit``-ted to the actor as its own call after its `PendingStream` is
-registered here; leaving early ``cancel``-s it (the actor cancels its task, which
-aborts the request in the engine).  A client that stops reading stops taking deltas
+A request is ``submit``-ted on the same connection once its `PendingStream` is
+registered here, and leaving early ``cancel``-s it (the actor cancels its task, which
+aborts the request in the engine): the requests and cancels of one event-loop pass go
+in one `ChannelCommands` frame, so a burst of requests reaches the engine together
+instead of one Ray call (about 1 ms of CPU on each side) at a time.  A client that stops reading stops taking deltas
 off its `PendingStream`: once ``max_backlog`` deltas wait there, the stream is cut off
 with an error and its request cancelled, so a stalled reader holds neither gateway
 memory nor KV.  If the channel ends (the actor died), every request on it gets the
@@ -24,7 +26,6 @@ memory nor KV.  If the channel ends (the actor died), every request on it gets t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,16 @@ from typing import Any
 from ray.exceptions import RayError
 
 from specd.workers.pool.delta_outbox import DeltaBatch
-from specd.workers.pool.delta_socket import Connection, DeltaListener, DeltaWireError, read_batches
+from specd.workers.pool.delta_socket import (
+    ChannelCommands,
+    Connection,
+    DeltaListener,
+    DeltaWireError,
+    read_batches,
+    write_frame,
+)
 from specd.workers.pool.replica import ReplicaError
-from specd.workers.types import FinishReason, GenerateDelta
+from specd.workers.types import FinishReason, GenerateDelta, GenerateRequest
 
 SLOW_READER_CODE = 408  # the request's error status when its client stopped reading
 _KEPT_APART = (FinishReason.ERROR, FinishReason.ABORT)  # never merged into text before them
@@ -135,6 +143,11 @@ class DeltaChannel:
         self._on_cut_off = on_cut_off
         self._settle_timeout_s = settle_timeout_s
         self.pending: dict[str, PendingStream] = {}
+        # what goes to the actor in the next frame: sent once it has connected
+        self._writer: asyncio.StreamWriter | None = None
+        self._submits: list[GenerateRequest] = []
+        self._cancels: list[str] = []
+        self._flush_due = False
         self._reader = asyncio.ensure_future(self._run(listener))  # held: tasks are weak
 
     def register(self, rid: str, max_backlog: int) -> PendingStream:
@@ -145,10 +158,30 @@ class DeltaChannel:
     def unregister(self, rid: str) -> None:
         self.pending.pop(rid, None)
 
+    def submit(self, req: GenerateRequest) -> None:
+        """Start ``req`` in the actor (register its stream first); it goes with this loop
+        pass's other requests in one frame, once the actor has connected."""
+        self._submits.append(req)
+        self._flush_soon()
+
     def cancel(self, rid: str) -> None:
         """End ``rid`` in the actor (fire and forget: a gone actor ends it anyway)."""
-        with contextlib.suppress(RayError):
-            self.handle.cancel.remote(rid, self.channel_id)
+        self._cancels.append(rid)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Write what waits as one frame, if the actor is connected (else it waits)."""
+        self._flush_due = False
+        if self._writer is None or not (self._submits or self._cancels):
+            return
+        if not self._writer.is_closing():  # closing: the channel fails its requests
+            write_frame(self._writer, ChannelCommands(tuple(self._submits), tuple(self._cancels)))
+        self._submits, self._cancels = [], []
 
     async def _run(self, listener: DeltaListener) -> None:
         """Open the channel, read it to its end, then fail whatever still waits."""
@@ -160,7 +193,8 @@ class DeltaChannel:
             call = asyncio.ensure_future(self.handle.deltas.remote(self.channel_id, address))
             await asyncio.wait({connected, call}, return_when=asyncio.FIRST_COMPLETED)
             if connected.done():
-                reader, _ = connected.result()
+                reader, self._writer = connected.result()
+                self._flush()  # what was submitted while the actor connected
                 async for batch in read_batches(reader):
                     self._dispatch(batch)
             failure = await self._why_ended(call)

@@ -1,31 +1,35 @@
 """The delta channel's wire: a TCP connection from the engine actor to its gateway.
 
-A Ray streaming call costs each side about 1 ms of CPU per item and adds 2-3 ms of
+A Ray call or streaming item costs each side about 1 ms of CPU and adds 2-3 ms of
 latency (measured: docs/serving-path.md, "The delta socket"); a frame on a socket costs
-microseconds.  So the deltas travel on a plain socket while Ray keeps what it is good
-at: creating, calling, watching and killing the actors.  The gateway listens
-(`DeltaListener`, one per pool); the actor connects to the `DeltaAddress` it was handed
-(`send_batches`), proves it was handed it by sending its secret first, then writes one
-frame per `DeltaBatch`: a 4-byte big-endian length and the batch pickled.  Frames are
-unpickled only on a connection that sent a known secret, which only a Ray call of this
-gateway carries.
+microseconds.  So a channel's traffic travels on a plain socket both ways while Ray
+keeps what it is good at: creating, calling, watching and killing the actors.  The
+gateway listens (`DeltaListener`, one per pool); the actor connects to the
+`DeltaAddress` it was handed (`send_batches`), proves it was handed it by sending its
+secret first, then writes one frame per `DeltaBatch`; the gateway writes one frame per
+`ChannelCommands` (the requests to start and to cancel) the other way.  A frame is a
+4-byte big-endian length and the object pickled.  Frames are unpickled only on a
+connection that sent a known secret, which only a Ray call of this gateway carries,
+and the actor unpickles only what comes from the gateway it was sent to by a Ray call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import pickle
 import secrets
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import ray
 
 from specd.workers.pool.delta_outbox import DeltaBatch, DeltaOutbox
+from specd.workers.types import GenerateRequest
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+F = TypeVar("F")
 _LENGTH = struct.Struct("!I")
 _SECRET_CHARS = 32  # hex characters: 128 random bits
 MAX_FRAME_BYTES = 1 << 30  # a longer length prefix is a broken peer, not a batch
@@ -33,6 +37,15 @@ MAX_FRAME_BYTES = 1 << 30  # a longer length prefix is a broken peer, not a batc
 
 class DeltaWireError(Exception):
     """The wire broke its format (a length out of bounds, a frame that does not unpickle)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelCommands:
+    """What one frame from the gateway carries: requests to start, then requests to
+    cancel (a request cancelled in the frame that starts it is started, then cancelled)."""
+
+    submits: tuple[GenerateRequest, ...] = ()
+    cancels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +102,16 @@ class DeltaListener:
             self._server = None
 
 
-async def read_batches(reader: asyncio.StreamReader) -> AsyncIterator[DeltaBatch]:
-    """The batches on ``reader`` until the actor closes it (a reset ends it the same way)."""
+def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
+    """``item`` as one frame (its length, then its pickle) on ``writer``."""
+    frame = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(_LENGTH.pack(len(frame)))
+    writer.write(frame)
+
+
+async def read_frames(reader: asyncio.StreamReader, kind: type[F]) -> AsyncIterator[F]:
+    """The ``kind`` frames on ``reader`` until the peer closes it (a reset ends it the
+    same way); anything else is a `DeltaWireError`."""
     while True:
         try:
             (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
@@ -100,36 +121,49 @@ async def read_batches(reader: asyncio.StreamReader) -> AsyncIterator[DeltaBatch
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         try:
-            batch = pickle.loads(frame)
+            item = pickle.loads(frame)
         except Exception as err:
             raise DeltaWireError(f"a delta frame that does not unpickle: {err}") from err
-        if not isinstance(batch, DeltaBatch):
-            raise DeltaWireError(f"a delta frame of {type(batch).__name__}, not DeltaBatch")
-        yield batch
+        if not isinstance(item, kind):
+            raise DeltaWireError(f"a delta frame of {type(item).__name__}, not {kind.__name__}")
+        yield item
 
 
-async def send_batches(address: DeltaAddress, outbox: DeltaOutbox) -> None:
-    """The actor's end: connect to ``address`` and write ``outbox``'s batches until the
-    gateway closes the connection (its process went) or this task is cancelled."""
+def read_batches(reader: asyncio.StreamReader) -> AsyncIterator[DeltaBatch]:
+    """The gateway's reading: the actor's batches."""
+    return read_frames(reader, DeltaBatch)
+
+
+async def send_batches(
+    address: DeltaAddress,
+    outbox: DeltaOutbox,
+    on_commands: Callable[[ChannelCommands], None] = lambda _: None,
+) -> None:
+    """The actor's end: connect to ``address``, write ``outbox``'s batches and hand each
+    of the gateway's `ChannelCommands` to ``on_commands``, until the gateway closes the
+    connection (its process went), sends a frame out of format, or this task is
+    cancelled."""
     reader, writer = await asyncio.open_connection(address.host, address.port)
     pump = asyncio.current_task()
     assert pump is not None
 
-    async def watch_gateway() -> None:
-        with contextlib.suppress(ConnectionError):
-            await reader.read()  # the gateway never writes: this returns at its EOF
-        pump.cancel()
+    async def read_commands() -> None:
+        try:
+            async for commands in read_frames(reader, ChannelCommands):
+                on_commands(commands)
+        except (ConnectionError, DeltaWireError):
+            pass
+        finally:
+            pump.cancel()  # the gateway's EOF (or garbage): the channel is over
 
-    watcher = asyncio.ensure_future(watch_gateway())
+    commands = asyncio.ensure_future(read_commands())
     try:
         writer.write(address.secret.encode("ascii"))
         async for batch in outbox.batches():
-            frame = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-            writer.write(_LENGTH.pack(len(frame)))
-            writer.write(frame)
+            write_frame(writer, batch)
             await writer.drain()  # a gateway that lags: the outbox gathers meanwhile
     except ConnectionError:
         return
     finally:
-        watcher.cancel()
+        commands.cancel()
         writer.close()

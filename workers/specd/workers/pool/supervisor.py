@@ -229,10 +229,7 @@ class ReplicaSupervisor:
         replica.inflight += 1
         finished = False
         try:
-            try:
-                await channel.handle.submit.remote(req, channel.channel_id)
-            except RayError as err:
-                raise self._replica_error(replica, err, "the request") from err
+            channel.submit(req)
             while not finished:
                 delta = await pending.next()
                 finished = delta.finished
