@@ -201,6 +201,7 @@ def test_an_actor_of_a_specd_with_another_delta_wire_is_not_adoptable():
     for other in (
         {k: v for k, v in answer.items() if k != "delta_wire"},
         {**answer, "delta_wire": "ray-stream"},
+        {**answer, "delta_wire": "socket/1"},  # deltas on the socket, requests as Ray calls
     ):
         with pytest.raises(ValidationError, match="delta_wire"):
             ReplicaInfo.model_validate(other)

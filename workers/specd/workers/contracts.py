@@ -34,10 +34,11 @@ class PrefixCacheShape(_Contract):
     capacity_tokens: int  # its KV pool: the most it can keep
 
 
-# How an engine actor sends deltas to its gateway (`pool.delta_socket`): an actor of a
-# specd that speaks another wire does not validate, so a new gateway replaces it instead
-# of adopting it.
-DELTA_WIRE = "socket/1"
+# How an engine actor and its gateway talk (`pool.delta_socket`): an actor of a specd
+# that speaks another wire does not validate, so a new gateway replaces it instead of
+# adopting it.  socket/2: the requests and cancels travel on the socket too (socket/1
+# actors took them as Ray calls).
+DELTA_WIRE = "socket/2"
 DeltaWire = Literal[DELTA_WIRE]  # pydantic refuses any other value
 
 

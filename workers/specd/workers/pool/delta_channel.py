@@ -16,10 +16,11 @@ A request is ``submit``-ted on the same connection once its `PendingStream` is
 registered here, and leaving early ``cancel``-s it (the actor cancels its task, which
 aborts the request in the engine): the requests and cancels of one event-loop pass go
 in one `ChannelCommands` frame, so a burst of requests reaches the engine together
-instead of one Ray call (about 1 ms of CPU on each side) at a time.  A client that stops reading stops taking deltas
-off its `PendingStream`: once ``max_backlog`` deltas wait there, the stream is cut off
-with an error and its request cancelled, so a stalled reader holds neither gateway
-memory nor KV.  If the channel ends (the actor died), every request on it gets the
+instead of one Ray call (about 1 ms of CPU on each side) at a time.
+
+A client that stops reading stops taking deltas off its `PendingStream`: once
+``max_backlog`` deltas wait there, the stream is cut off with an error and its request
+cancelled, so a stalled reader holds neither gateway memory nor KV.  If the channel ends (the actor died), every request on it gets the
 `ReplicaError` and the next request opens a new channel.
 """
 
