@@ -8,7 +8,8 @@ spent by the gateway process, the engine actor(s), the rest of Ray, and this cli
 flame graph of the gateway and of each engine actor during each run.
 
     python benchmarks/profile_serving.py [--spec FILE.yaml] [--concurrency 1 64] \
-        [--requests 128] [--max-tokens 200] [--py-spy /tmp/prof] [--null-model]
+        [--requests 128] [--max-tokens 200] [--py-spy /tmp/prof] [--null-model] \
+        [--burst N] [--burst-rounds 5]
 
 Without ``--spec`` it serves a tiny random checkpoint (context 4096), whose engine
 costs little, so the numbers are mostly the serving path's; ``--null-model`` serves the
@@ -18,6 +19,10 @@ runs each load again beside one client that stops reading a long stream, and pri
 other streams' ITL with it (the stalled stream is cut off by
 ``spec.gateway.maxStreamBacklog``).  ``--source DIR`` serves another
 checkout's specd (e.g. a ``git worktree`` of an older commit) for a before/after.
+``--burst N`` then sends N requests at once, ``--burst-rounds`` times on one warm
+client, and prints each round's first-token latencies (median, max) and the time until
+the last one finished: how fast a burst gets through the gateway to the engine (with
+``--max-tokens 1`` and ``--null-model``, the CPU per streamed token is per request).
 """
 
 from __future__ import annotations
@@ -99,12 +104,9 @@ def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
-async def stream_load(
-    url: str, model: str, concurrency: int, requests: int, max_tokens: int
-) -> tuple[int, float, list[float]]:
-    """Streamed tokens (as the final usage counts them), wall seconds and the gaps
-    between a stream's chunks, of ``requests`` completions."""
-    body = {
+def completion_body(model: str, max_tokens: int) -> dict:
+    """The streamed completion every load sends (usage in its last chunk)."""
+    return {
         "model": model,
         "prompt": "The serving path of a speculative decoder",
         "max_tokens": max_tokens,
@@ -113,6 +115,14 @@ async def stream_load(
         "stream_options": {"include_usage": True},
         "temperature": 0,
     }
+
+
+async def stream_load(
+    url: str, model: str, concurrency: int, requests: int, max_tokens: int
+) -> tuple[int, float, list[float]]:
+    """Streamed tokens (as the final usage counts them), wall seconds and the gaps
+    between a stream's chunks, of ``requests`` completions."""
+    body = completion_body(model, max_tokens)
     limits = httpx.Limits(max_connections=concurrency + 4)
     gaps: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -137,6 +147,39 @@ async def stream_load(
         started = time.perf_counter()
         counts = await asyncio.gather(*(one() for _ in range(requests)))
         return sum(counts), time.perf_counter() - started, gaps
+
+
+async def burst_rounds(
+    url: str, model: str, size: int, rounds: int, max_tokens: int
+) -> list[tuple[float, float, float]]:
+    """Per round of ``size`` streamed requests sent at once: (median first-token ms,
+    max first-token ms, ms until the last finished), all on one warm client."""
+    body = completion_body(model, max_tokens)
+    limits = httpx.Limits(max_connections=size + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one(started: float) -> tuple[float, float]:
+            first = None
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: {"):
+                        first = time.perf_counter() - started
+            return first or 0.0, time.perf_counter() - started
+
+        await asyncio.gather(*(one(time.perf_counter()) for _ in range(size)))  # connect
+        out = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            done = await asyncio.gather(*(one(started) for _ in range(size)))
+            firsts = [first for first, _ in done]
+            out.append(
+                (
+                    statistics.median(firsts) * 1e3,
+                    max(firsts) * 1e3,
+                    max(end for _, end in done) * 1e3,
+                )
+            )
+        return out
 
 
 def stalled_body(model: str, args: argparse.Namespace) -> dict:
@@ -228,6 +271,8 @@ def main() -> None:
         help="run each load again beside one client that asks for TOKENS and reads nothing, "
         "and print the other streams' ITL with it",
     )
+    ap.add_argument("--burst", type=int, metavar="N", help="then N requests at once, per round")
+    ap.add_argument("--burst-rounds", type=int, default=5)
     ap.add_argument(
         "--null-model",
         action="store_true",
@@ -290,7 +335,7 @@ def main() -> None:
                     spy.send_signal(2)
                     spy.wait(timeout=60)
                 per_token = {k: (after[k] - before[k]) * 1e3 / max(tokens, 1) for k in after}
-                itl = statistics.median(gaps) * 1e3
+                itl = statistics.median(gaps) * 1e3 if gaps else float("nan")  # 1 token: none
                 shares = " ".join(
                     f"{per_token[k]:.3f}" for k in ("gateway", "engine", "ray", "client")
                 )
@@ -302,6 +347,15 @@ def main() -> None:
                         f"{concurrency:>4} beside one long stream: ITL median {reading:.1f} ms "
                         f"when its client reads, {stalled:.1f} ms when it stalls "
                         f"({stalled / reading:.2f}x)"
+                    )
+            if args.burst:
+                rounds = asyncio.run(
+                    burst_rounds(url, model, args.burst, args.burst_rounds, args.max_tokens)
+                )
+                for median_first, max_first, last in rounds:
+                    print(
+                        f"burst of {args.burst}: first token median {median_first:.1f} ms, "
+                        f"max {max_first:.1f} ms; all finished in {last:.1f} ms"
                     )
         finally:
             proc.terminate()
