@@ -23,12 +23,12 @@ site=/tmp/specd-site  # the bundle's packages, unpacked once per host: later run
 if [[ -n "${SPECD_BUNDLE:-}" ]]; then
   python3 scripts/offline_gpu_bundle.py "$SPECD_BUNDLE" --unpack-to "$site" || exit
 fi
-[[ -d "$site" ]] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$site" && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c 'import specd.workers' 2>/dev/null; then  # run from this checkout's sources
-  export PYTHONPATH="workers:kernels:operator${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="workers:kernels:operator:$PYTHONPATH"
   # the CLI reads specd's version from its metadata: give the sources a dist-info
   version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-  mkdir -p "$site/specd-$version.dist-info" && export PYTHONPATH="$site:$PYTHONPATH"
+  mkdir -p "$site/specd-$version.dist-info"
   printf 'Metadata-Version: 2.1\nName: specd\nVersion: %s\n' "$version" \
     > "$site/specd-$version.dist-info/METADATA"
 fi

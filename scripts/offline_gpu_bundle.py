@@ -35,6 +35,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,13 +231,6 @@ def unpack(bundle: Path, site: Path) -> list[Path]:
     return restored
 
 
-def installed_version(name: str) -> str:
-    """The version installed here: the host gets what the tests here ran."""
-    from importlib.metadata import version
-
-    return version(name)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -256,7 +250,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     requirements = BASE + ([] if args.no_flashinfer else FLASHINFER)
     if args.serving:
-        requirements += [f"{name}=={installed_version(name)}" for name in SERVING]
+        # the versions installed here: the host gets what the tests here ran
+        requirements += [f"{name}=={version(name)}" for name in SERVING]
     files = [pack_site(args.out, requirements, args.python_version)]
     if args.models:
         files += pack_models(args.out)

@@ -20,8 +20,9 @@ instead of one Ray call (about 1 ms of CPU on each side) at a time.
 
 A client that stops reading stops taking deltas off its `PendingStream`: once
 ``max_backlog`` deltas wait there, the stream is cut off with an error and its request
-cancelled, so a stalled reader holds neither gateway memory nor KV.  If the channel ends (the actor died), every request on it gets the
-`ReplicaError` and the next request opens a new channel.
+cancelled, so a stalled reader holds neither gateway memory nor KV.  If the channel ends
+(the actor died), every request on it gets the `ReplicaError` and the next request opens
+a new channel.
 """
 
 from __future__ import annotations
