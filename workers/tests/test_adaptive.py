@@ -539,7 +539,10 @@ def test_plain_rung_samples_the_target_distribution(tiny_models, tmp_path):
         speculative={"adaptive": {"enabled": True, "candidateSteps": [0]}},
     )
     try:
-        runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
+        runs = [
+            sampled_continuations(engine, prompt, n, first_seed=k * n)
+            for k, engine in enumerate((plain, spec))
+        ]
         assert plain_steps(spec, "rung") > 0
     finally:
         plain.shutdown()

@@ -102,8 +102,11 @@ def test_hybrid_sampling_keeps_the_target_distribution(pair, algorithm):
     spec = hybrid_engine(threshold=0.0, target=target, draft=draft, algorithm=algorithm)
     n = 800
     try:
-        sampled_continuations(spec, prompt, n // 4)
-        runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
+        sampled_continuations(spec, prompt, n // 4, first_seed=2 * n)
+        runs = [
+            sampled_continuations(engine, prompt, n, first_seed=k * n)
+            for k, engine in enumerate((plain, spec))
+        ]
         trees = metric_value(spec, "specd_spec_hybrid_suffix_trees_total")
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
     finally:

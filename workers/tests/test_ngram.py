@@ -282,7 +282,10 @@ def test_draft_free_sampling_keeps_the_target_distribution(algorithm):
     )
     n = 800
     try:
-        runs = [sampled_continuations(engine, prompt, n) for engine in (plain, spec)]
+        runs = [
+            sampled_continuations(engine, prompt, n, first_seed=k * n)
+            for k, engine in enumerate((plain, spec))
+        ]
         accepted = metric_value(spec, "specd_spec_accepted_tokens_total")
         root_only = metric_value(spec, "specd_spec_root_only_requests_total")
     finally:

@@ -431,10 +431,32 @@ def check_token_sources(engine: Engine, results, max_tokens: int, overshoot: int
     assert 0 <= extra <= overshoot * len(usages), (verified, decoded)
 
 
-def sampled_continuations(engine: Engine, prompt, n: int, count: int = 3) -> list[tuple]:
-    """Generated tokens 2..``count`` of ``n`` unseeded samples of ``prompt`` at
-    temperature 1 (token 1 comes from prefill; the rest from verify steps)."""
-    results = run_all(engine, [prompt] * n, max_tokens=count, temperature=1.0, ignore_eos=True)
+def sampled_continuations(
+    engine: Engine, prompt, n: int, first_seed: int, count: int = 3
+) -> list[tuple]:
+    """Generated tokens 2..``count`` of ``n`` samples of ``prompt`` at temperature 1
+    (token 1 comes from prefill; the rest from verify steps).  Sample ``i`` is seeded
+    ``first_seed + i``, so a run draws the same tokens each time: a law test cannot
+    fail by chance on one machine and pass on the next.  Give each run its own range."""
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                collect(
+                    engine,
+                    f"r{i}",
+                    prompt,
+                    max_tokens=count,
+                    temperature=1.0,
+                    ignore_eos=True,
+                    seed=first_seed + i,
+                )
+                for i in range(n)
+            )
+        )
+
+    with asyncio.Runner() as runner:
+        results = runner.run(go())
     return [tuple(r[0][1:]) for r in results]
 
 
