@@ -10,13 +10,16 @@ twice, one after the other, on one backend (the first of ``--backends``):
 * served: ``specd serve`` of an SDD with those fields (local Ray, one replica, one GPU
   on CUDA), the knobs passed as ``SPECD_BENCH_KNOBS``; each batch's prompts streamed at
   once to /v1/completions as token ids (``ignore_eos``, greedy, usage in the last
-  chunk) by an asyncio httpx client in this process.
+  chunk) by an asyncio aiohttp client in this process.
 
 Both time every request of a batch from the first sent to the last finished, prefill
 included, after one untimed warm-up, as medians of ``--repeats``; printed per batch:
 in-process tok/s, served tok/s and served / in-process, with the goal at batch 32.
 The client is not ``vllm bench serve`` (``bench_serving.py``'s): the GPU machines have
-no vLLM, and at these rates a Python client costs little beside a GPU engine.
+no vLLM.  It streams with aiohttp, as ``vllm bench serve``'s OpenAI backend does: the
+client sends a batch's requests one after another from one thread, so its cost per
+request delays the batch's last arrival, and httpx took 3.3x aiohttp's CPU per round
+(106 against 32 ms for 32 requests of 64 tokens, 2-core VM, 2026-11-30).
 
     python benchmarks/bench_gpu_served.py [--shape 8b|tiny] [--device cuda|cpu]
         [--backends NAME] [--batch 1 32] [--spec on|off] [--new-tokens 128]
@@ -38,8 +41,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import bench_gpu
-import httpx
 import yaml
 from bench_serving import specd_server
 
@@ -68,7 +71,9 @@ def served_doc(args, target: Path, draft: Path | None, backend: str) -> tuple[di
     return doc, knobs.as_env()
 
 
-async def _stream(client: httpx.AsyncClient, prompt: list[int], new_tokens: int) -> dict:
+async def _stream(
+    client: aiohttp.ClientSession, url: str, prompt: list[int], new_tokens: int
+) -> dict:
     """One streamed completion -> the usage its last chunk reports."""
     body = {
         "model": SERVED_NAME,
@@ -80,12 +85,12 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], new_tokens: int)
         "stream_options": {"include_usage": True},
     }
     usage = {}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code}: {(await response.aread()).decode()}")
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                usage = json.loads(line[len("data: ") :]).get("usage") or usage
+    async with client.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {await response.text()}")
+        async for line in response.content:  # one SSE line each
+            if line.startswith(b"data: {"):
+                usage = json.loads(line[len(b"data: ") :]).get("usage") or usage
     return usage
 
 
@@ -100,9 +105,10 @@ def served_run(url: str, prompts: list[list[int]], new_tokens: int, timeout: flo
     """Every prompt streamed at once; raises unless each request got ``new_tokens``."""
 
     async def all_() -> list[dict]:
-        limits = httpx.Limits(max_connections=len(prompts) + 4)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-            return await asyncio.gather(*(_stream(client, p, new_tokens) for p in prompts))
+        connector = aiohttp.TCPConnector(limit=len(prompts) + 4)
+        limit = aiohttp.ClientTimeout(total=timeout)
+        async with aiohttp.ClientSession(connector=connector, timeout=limit) as client:
+            return await asyncio.gather(*(_stream(client, url, p, new_tokens) for p in prompts))
 
     start = time.perf_counter()
     usages = asyncio.run(all_())

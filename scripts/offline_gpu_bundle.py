@@ -53,9 +53,19 @@ BASE = [
     "rpds-py",
 ]
 FLASHINFER = ["flashinfer-python>=0.7.2,<0.8"]
-# what ``specd serve`` adds (bench_gpu_served.py): the gateway's web stack and Ray core
-# (no ``[default]`` extras: the local Ray starts without its dashboard)
-SERVING = ["ray", "fastapi", "starlette", "uvicorn", "annotated-doc", "opentelemetry-api"]
+# what ``specd serve`` adds (bench_gpu_served.py): the gateway's web stack, its C event
+# loop and HTTP parser, and Ray core (no ``[default]`` extras: the local Ray starts
+# without its dashboard)
+SERVING = [
+    "ray",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "uvloop",
+    "httptools",
+    "annotated-doc",
+    "opentelemetry-api",
+]
 # never loaded by a local Ray's driver, raylet or workers: the Java jars, the dashboard's
 # web client and the libraries on top of Ray core
 RAY_DROPPED = ("jars", "dashboard/client/build", "rllib", "tune", "train", "data", "serve", "llm")

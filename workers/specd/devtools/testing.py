@@ -62,6 +62,7 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
     yielded once every replica is ready; stopped on exit.  ``options``: more `Gateway`
     arguments (``on_stop``, ``admin_token``)."""
     from specd.workers.gateway.app import Gateway  # Ray and FastAPI only for the tests that serve
+    from specd.workers.gateway.event_loop import run_gateway_loop
 
     gw = Gateway(
         spec,
@@ -71,7 +72,9 @@ def running_gateway(spec, name: str, ready_timeout_s: float = 90, **options):
         pool_options={"health_interval_s": 0.3, "probe_timeout_s": 5},
         **options,
     )
-    thread = threading.Thread(target=lambda: asyncio.run(gw.run(handle_signals=False)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: run_gateway_loop(gw.run(handle_signals=False)), daemon=True
+    )
     thread.start()
     try:
         assert gw.listening.wait(60), "gateway did not start listening"

@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
 
         check_model_folders(spec, weights=not knobs.dummy_weights)
     from specd.workers.gateway.app import Gateway  # imports Ray: only for `serve` and `gateway`
+    from specd.workers.gateway.event_loop import run_gateway_loop
 
     gateway = Gateway(
         spec,
@@ -87,7 +88,7 @@ def _serve(args: argparse.Namespace, follow_config: bool = False, on_stop: str =
         flush=True,
     )
     print(admin_token_note(admin), flush=True)
-    asyncio.run(_run_gateway(gateway, ready, args.file if follow_config else None))
+    run_gateway_loop(_run_gateway(gateway, ready, args.file if follow_config else None))
     if (failure := gateway.failure) is not None:  # the model cannot load: a spec error
         print(
             f"specd: replica {failure.replica} failed to load: {failure.message}", file=sys.stderr

@@ -103,10 +103,10 @@ class DeltaListener:
 
 
 def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
-    """``item`` as one frame (its length, then its pickle) on ``writer``."""
+    """``item`` as one frame (its length, then its pickle) on ``writer``, in one write: a
+    write with nothing queued is a ``send`` at once, so two would be two system calls."""
     frame = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_LENGTH.pack(len(frame)))
-    writer.write(frame)
+    writer.write(_LENGTH.pack(len(frame)) + frame)
 
 
 async def read_frames(reader: asyncio.StreamReader, kind: type[F]) -> AsyncIterator[F]:
