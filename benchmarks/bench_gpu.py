@@ -107,6 +107,9 @@ class Timing:
     accept_len: float | None  # tokens per verify incl. the bonus (None: plain decode)
     host_share: float  # the engine loop's time outside the model
     retractions: int
+    wall_ms: float = 0.0  # a run: the first request sent to the last finished
+    busy_ms: float = 0.0  # of which the engine loop ran steps (host + model), mean
+    last_first_token_ms: float = 0.0  # the batch's latest first token, from the start
 
 
 # -- checkpoint folders (config only) -------------------------------------------------
@@ -312,7 +315,8 @@ async def _one(engine: Engine, rid: str, prompt: list[int], new_tokens: int):
 
 
 def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int, args, tag: str):
-    """All prompts at once -> (wall seconds, per-request results)."""
+    """All prompts at once -> (wall seconds, per-request results, their times from the
+    start)."""
 
     async def all_():
         runs = (_one(engine, f"{tag}-{i}", p, new_tokens) for i, p in enumerate(prompts))
@@ -323,7 +327,7 @@ def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int, args, ta
     t0 = time.perf_counter()
     results = asyncio.run(all_())
     sync(args.device)
-    return time.perf_counter() - t0, results
+    return time.perf_counter() - t0, [(first - t0, end - t0, n, u) for first, end, n, u in results]
 
 
 def warm_up_tokens(args) -> int:
@@ -339,10 +343,11 @@ def accept_length(verify_steps: int, accepted: int) -> float | None:
 def time_batch(engine: Engine, prompts: list[list[int]], args, tag: str) -> Timing:
     run_once(engine, prompts, warm_up_tokens(args), args, f"{tag}-warm")
     before = dict(engine.step_seconds)
-    walls, per_token, steps, accepted = [], [], 0, 0
+    walls, per_token, firsts, steps, accepted = [], [], [], 0, 0
     for rep in range(args.repeats):
         wall, results = run_once(engine, prompts, args.new_tokens, args, f"{tag}-{rep}")
         walls.append(wall)
+        firsts.append(max(first for first, *_ in results))
         for first, end, count, usage in results:
             per_token.append((end - first) / max(count - 1, 1))
             steps += usage.spec_verify_steps
@@ -355,6 +360,9 @@ def time_batch(engine: Engine, prompts: list[list[int]], args, tag: str) -> Timi
         accept_len=accept_length(steps, accepted),
         host_share=host / max(host + model, 1e-9),
         retractions=engine.status().retractions,
+        wall_ms=1e3 * statistics.median(walls),
+        busy_ms=1e3 * (host + model) / args.repeats,
+        last_first_token_ms=1e3 * statistics.median(firsts),
     )
 
 

@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def served_doc(args, target: Path, draft: Path | None, backend: str) -> tuple[di
 
 async def _stream(
     client: aiohttp.ClientSession, url: str, prompt: list[int], new_tokens: int
-) -> dict:
-    """One streamed completion -> the usage its last chunk reports."""
+) -> tuple[float, dict]:
+    """One streamed completion -> (its first token's time, the usage its last chunk
+    reports)."""
     body = {
         "model": SERVED_NAME,
         "prompt": prompt,
@@ -84,14 +86,17 @@ async def _stream(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    usage = {}
+    first, usage = None, {}
     async with client.post(f"{url}/v1/completions", json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"{response.status}: {await response.text()}")
         async for line in response.content:  # one SSE line each
             if line.startswith(b"data: {"):
-                usage = json.loads(line[len(b"data: ") :]).get("usage") or usage
-    return usage
+                chunk = json.loads(line[len(b"data: ") :])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter()
+                usage = chunk.get("usage") or usage
+    return first or time.perf_counter(), usage
 
 
 @dataclass(frozen=True)
@@ -99,20 +104,22 @@ class ServedRun:
     seconds: float  # the first request sent to the last one finished
     verify_steps: int  # the requests' verifies, from their usage
     accepted: int  # drafts accepted in them
+    last_first_token: float  # the batch's latest first token, seconds from the start
 
 
 def served_run(url: str, prompts: list[list[int]], new_tokens: int, timeout: float) -> ServedRun:
     """Every prompt streamed at once; raises unless each request got ``new_tokens``."""
 
-    async def all_() -> list[dict]:
+    async def all_() -> list[tuple[float, dict]]:
         connector = aiohttp.TCPConnector(limit=len(prompts) + 4)
         limit = aiohttp.ClientTimeout(total=timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=limit) as client:
             return await asyncio.gather(*(_stream(client, url, p, new_tokens) for p in prompts))
 
     start = time.perf_counter()
-    usages = asyncio.run(all_())
+    results = asyncio.run(all_())
     wall = time.perf_counter() - start
+    usages = [usage for _, usage in results]
     counts = [u.get("completion_tokens") for u in usages]
     if any(c != new_tokens for c in counts):
         raise RuntimeError(f"served requests returned {counts} tokens, not {new_tokens} each")
@@ -120,44 +127,101 @@ def served_run(url: str, prompts: list[list[int]], new_tokens: int, timeout: flo
         wall,
         sum(u.get("spec_verify_steps", 0) for u in usages),
         sum(u.get("spec_accepted_tokens", 0) for u in usages),
+        max(first for first, _ in results) - start,
     )
 
 
-def time_served(args, url: str, vocab: int) -> dict[int, tuple[float, float | None]]:
-    """Served (output tok/s, accept length) per batch: the median of ``--repeats`` after
-    a warm-up, and the timed runs' mean tokens per verify."""
-    rates = {}
+def engine_busy_seconds(url: str) -> float:
+    """The served engines' loop time in steps so far (host + model), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "specd_engine_step_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+@dataclass(frozen=True)
+class ServedTiming:
+    """One batch served: medians over the timed runs (``busy_ms``: their mean)."""
+
+    tok_s: float
+    accept_len: float | None
+    wall_ms: float
+    busy_ms: float  # the engine loop's steps (host + model) in a run
+    last_first_token_ms: float
+
+
+def time_served(args, url: str, vocab: int) -> dict[int, ServedTiming]:
+    """Each batch served: the median of ``--repeats`` after a warm-up, the timed runs'
+    mean tokens per verify, and where a run's time went."""
+    timings = {}
     for batch in args.batch:
         prompts = bench_gpu.make_prompts(batch, args.prompt_len, vocab)
         served_run(url, prompts, bench_gpu.warm_up_tokens(args), args.run_timeout)
+        busy_before = engine_busy_seconds(url)
         runs = [
             served_run(url, prompts, args.new_tokens, args.run_timeout) for _ in range(args.repeats)
         ]
-        tok_s = batch * args.new_tokens / statistics.median(r.seconds for r in runs)
+        busy = engine_busy_seconds(url) - busy_before
+        wall = statistics.median(r.seconds for r in runs)
         accept_len = bench_gpu.accept_length(
             sum(r.verify_steps for r in runs), sum(r.accepted for r in runs)
         )
-        rates[batch] = (tok_s, accept_len)
-        bench_gpu.progress(f"[served] batch {batch}: {tok_s:.1f} tok/s{_accept(accept_len)}")
-    return rates
+        timings[batch] = t = ServedTiming(
+            tok_s=batch * args.new_tokens / wall,
+            accept_len=accept_len,
+            wall_ms=1e3 * wall,
+            busy_ms=1e3 * busy / args.repeats,
+            last_first_token_ms=1e3 * statistics.median(r.last_first_token for r in runs),
+        )
+        bench_gpu.progress(f"[served] batch {batch}: {t.tok_s:.1f} tok/s{_accept(accept_len)}")
+    return timings
 
 
 def _accept(accept_len: float | None) -> str:
     return "" if accept_len is None else f", accept len {accept_len:.2f}"
 
 
-def rows_of(in_process: dict, served: dict[int, tuple[float, float | None]]) -> list[dict]:
+def rows_of(in_process: dict, served: dict[int, ServedTiming]) -> list[dict]:
     return [
         {
             "batch": batch,
             "in_process_tok_s": in_process[batch].tok_s,
-            "served_tok_s": tok_s,
-            "served_over_in_process": tok_s / in_process[batch].tok_s,
+            "served_tok_s": t.tok_s,
+            "served_over_in_process": t.tok_s / in_process[batch].tok_s,
             "in_process_accept_len": in_process[batch].accept_len,
-            "served_accept_len": accept_len,
+            "served_accept_len": t.accept_len,
+            "wall_ms": (in_process[batch].wall_ms, t.wall_ms),
+            "busy_ms": (in_process[batch].busy_ms, t.busy_ms),
+            "last_first_token_ms": (in_process[batch].last_first_token_ms, t.last_first_token_ms),
         }
-        for batch, (tok_s, accept_len) in served.items()
+        for batch, t in served.items()
     ]
+
+
+def split_table(rows: list[dict]) -> str:
+    """Where a run's time went, in-process / served: the engine's steps, the rest (the
+    engine waiting: requests arriving, the last tokens on their way), and when the
+    batch's last request had its first token."""
+    lines = [
+        "| batch | run ms | engine steps ms | outside steps ms | last first token ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        (wall_in, wall_out), (busy_in, busy_out) = r["wall_ms"], r["busy_ms"]
+        first_in, first_out = r["last_first_token_ms"]
+        lines.append(
+            f"| {r['batch']} | {wall_in:.0f} / {wall_out:.0f} | {busy_in:.0f} / {busy_out:.0f} "
+            f"| {wall_in - busy_in:.0f} / {wall_out - busy_out:.0f} "
+            f"| {first_in:.0f} / {first_out:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -215,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         with specd_server(spec_file, doc, work / "state", env) as url:
             rows = rows_of(in_process, time_served(args, url, vocab))
     print(table(rows))
+    print("where a run's time went, in-process / served (medians; steps: mean):")
+    print(split_table(rows))
     if args.json:
         report = {"args": vars(args), "rows": rows}
         args.json.write_text(json.dumps(report, indent=2, default=str))

@@ -62,6 +62,12 @@ def test_the_table_judges_batch_32(served):
     assert "goal" not in served.table([row(1, 0.5)])
 
 
+def test_the_split_table_shows_the_time_outside_the_engines_steps(served):
+    row = {"batch": 32, "wall_ms": (400.0, 580.0), "busy_ms": (390.0, 450.0),
+           "last_first_token_ms": (20.0, 95.0)}  # fmt: skip
+    assert "| 32 | 400 / 580 | 390 / 450 | 10 / 130 | 20 / 95 |" in served.split_table([row])
+
+
 @pytest.mark.slow
 def test_bench_gpu_served_smoke(tmp_path):
     """The whole benchmark on CPU: both engines run, and the served one speculates at
@@ -77,4 +83,8 @@ def test_bench_gpu_served_smoke(tmp_path):
     for r in rows:
         assert r["in_process_tok_s"] > 0 and r["served_tok_s"] > 0
         assert r["in_process_accept_len"] == r["served_accept_len"] == 4.0
-    assert "| 2 |" in done.stdout
+        # where the time went: each side's engine steps take part of its run, the
+        # batch's first tokens come before its end
+        for wall, busy, first in zip(r["wall_ms"], r["busy_ms"], r["last_first_token_ms"]):
+            assert 0 < busy < wall and 0 < first < wall
+    assert "| 2 |" in done.stdout and "outside steps ms" in done.stdout
