@@ -85,6 +85,8 @@ def test_bench_gpu_served_smoke(tmp_path):
         assert r["in_process_accept_len"] == r["served_accept_len"] == 4.0
         # where the time went: each side's engine steps take part of its run, the
         # batch's first tokens come before its end
-        for wall, busy, first in zip(r["wall_ms"], r["busy_ms"], r["last_first_token_ms"]):
+        for wall, busy, first in zip(
+            r["wall_ms"], r["busy_ms"], r["last_first_token_ms"], strict=True
+        ):
             assert 0 < busy < wall and 0 < first < wall
     assert "| 2 |" in done.stdout and "outside steps ms" in done.stdout
