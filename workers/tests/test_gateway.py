@@ -1297,11 +1297,13 @@ def test_rolling_update_and_scaling_drop_no_request(http, gateway):
 
 
 def test_the_gateway_runs_on_uvloop_and_parses_http_with_httptools(gateway, http):
-    """The serving path's C parts (gateway/event_loop.py): both are dependencies, so a
-    fresh install serves with them; a request is answered on that loop and parser."""
+    """The serving path's C parts (gateway/event_loop.py, gateway/http_protocol.py):
+    both are dependencies, so a fresh install serves with them (httptools with the
+    gateway's bound on header bytes); a request is answered on that loop and parser."""
     import uvloop
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     assert isinstance(gateway.loop, uvloop.Loop)
-    assert gateway._server.config.http_protocol_class is HttpToolsProtocol
+    protocol = gateway._server.config.http_protocol_class
+    assert issubclass(protocol, HttpToolsProtocol) and protocol.__name__ == "BoundedHttpTools"
     assert http.get("/health").status_code == 200

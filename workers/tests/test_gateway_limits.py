@@ -10,6 +10,8 @@ module (the replica must survive every case: the last test checks it did).
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import statistics
 import threading
 import time
@@ -330,6 +332,63 @@ EXTREMES = {
 def test_values_at_the_edges_are_served(http, fields):
     r = http.post(CMPL, json={**A, **fields})
     assert r.status_code == 200, r.text
+
+
+def _raw_request(gateway, head: bytes, body: bytes = b"") -> socket.socket:
+    """A connection that has sent ``head`` (a request line and headers, no blank line
+    yet unless it holds one) and ``body``."""
+    host, port = gateway.url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    conn.sendall(head + body)
+    return conn
+
+
+def _status_line(conn: socket.socket) -> bytes:
+    with conn:
+        return conn.recv(4096).split(b"\r\n")[0]
+
+
+def test_a_header_over_16_kib_is_431_and_a_large_one_under_it_is_served(gateway, http):
+    """httptools has no bound of its own on a request's header (h11 had 16 KiB): one of
+    1 MiB is refused with 431 before it is all held, a 12 KB one is served as before."""
+    body = json.dumps(A).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n" % len(body)
+    )
+    huge = _raw_request(gateway, head + b"x-big: " + b"a" * MIB + b"\r\n\r\n", body)
+    assert _status_line(huge) == b"HTTP/1.1 431 Request Header Fields Too Large"
+    large = _raw_request(gateway, head + b"x-big: " + b"a" * 12_000 + b"\r\n\r\n", body)
+    assert _status_line(large) == b"HTTP/1.1 200 OK"
+    assert http.get("/health").status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_client_gone_mid_body_is_no_error(gateway, http):
+    """A client that sends half a body and leaves: nothing to answer, and not an
+    "Exception in ASGI application" in the gateway's log (one per such client).
+    uvicorn's loggers do not propagate to the root, so the handler goes on its own."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n"
+    )
+    records, logger = _Records(), logging.getLogger("uvicorn.error")
+    logger.addHandler(records)
+    try:
+        _raw_request(gateway, head, b'{"model": "tiny", "pro').close()
+        time.sleep(0.5)
+        assert http.get("/health").status_code == 200
+    finally:
+        logger.removeHandler(records)
+    assert not [m for m in records.messages if "Exception in ASGI" in m]
 
 
 def test_the_replica_survived_every_case(gateway, http):

@@ -46,6 +46,7 @@ from specd.workers.config import DeploymentSpec, ray_namespace
 from specd.workers.gateway.admin_auth import GuardAdmin
 from specd.workers.gateway.api_keys import ApiKeys, RequireApiKey
 from specd.workers.gateway.errors import install_error_handlers
+from specd.workers.gateway.http_protocol import http_protocol
 from specd.workers.gateway.metrics import CountRequests, GatewayMetrics
 from specd.workers.gateway.ownership import Owners
 from specd.workers.gateway.protocol import API_ERROR_STATUSES, error_responses
@@ -180,6 +181,7 @@ class Gateway:
                 port=self.port,
                 log_level="warning",
                 lifespan="off",
+                http=http_protocol(),
                 timeout_graceful_shutdown=max(1, math.ceil(self.drain_timeout_s)),
             )
             self._server = _Server(config)

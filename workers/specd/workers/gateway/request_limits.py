@@ -41,6 +41,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specd.workers.gateway.api_keys import send_error
 
@@ -102,7 +103,8 @@ def too_large_message(limit: int) -> str:
 class LimitRequestSize:
     """ASGI middleware: 413 for a body over ``max_bytes()`` (read from the live spec
     on each request).  The rest of a refused body is discarded by the server as it
-    arrives, never buffered."""
+    arrives, never buffered.  A client that leaves before its body is in ends its
+    request quietly: there is no one to answer."""
 
     def __init__(self, app: Any, max_bytes: Callable[[], int]):
         self.app, self.max_bytes = app, max_bytes
@@ -127,7 +129,10 @@ class LimitRequestSize:
                     raise RequestTooLarge(limit)
             return message
 
-        await self.app(scope, counted, send)
+        try:
+            await self.app(scope, counted, send)
+        except ClientDisconnect:  # the client left mid-body: nobody to answer, no error
+            return
 
 
 def _content_length(scope: dict) -> int | None:
