@@ -315,8 +315,8 @@ async def _one(engine: Engine, rid: str, prompt: list[int], new_tokens: int):
 
 
 def run_once(engine: Engine, prompts: list[list[int]], new_tokens: int, args, tag: str):
-    """All prompts at once -> (wall seconds, per-request results, their times from the
-    start)."""
+    """All prompts at once -> (wall seconds, per-request results), each request's times
+    counted from the start."""
 
     async def all_():
         runs = (_one(engine, f"{tag}-{i}", p, new_tokens) for i, p in enumerate(prompts))
