@@ -133,17 +133,10 @@ def served_run(url: str, prompts: list[list[int]], new_tokens: int, timeout: flo
 
 def engine_busy_seconds(url: str) -> float:
     """The served engines' loop time in steps so far (host + model), from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from specd.devtools.testing import metric_in_text
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "specd_engine_step_seconds"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    )
+        return metric_in_text(response.read().decode(), "specd_engine_step_seconds_total")
 
 
 @dataclass(frozen=True)

@@ -267,13 +267,17 @@ async def collect(engine: Engine, rid: str, prompt, session_id=None, priority=0,
     return tokens, text, last
 
 
-def run_all(engine: Engine, prompts, loop_factory=None, **params):
+def run_all(engine: Engine, prompts, loop_factory=None, seeds=None, **params):
     """Every prompt at once, on a new event loop (``loop_factory``: its class) -> one
-    ``collect`` result per prompt."""
+    ``collect`` result per prompt; ``seeds``: one per prompt, each its request's seed."""
+    each = [{}] * len(prompts) if seeds is None else [{"seed": seed} for seed in seeds]
 
     async def go():
         return await asyncio.gather(
-            *(collect(engine, f"r{i}", p, **params) for i, p in enumerate(prompts))
+            *(
+                collect(engine, f"r{i}", p, **params, **own)
+                for i, (p, own) in enumerate(zip(prompts, each, strict=True))
+            )
         )
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
@@ -441,25 +445,9 @@ def sampled_continuations(
     (token 1 comes from prefill; the rest from verify steps).  Sample ``i`` is seeded
     ``first_seed + i``, so a run draws the same tokens each time: a law test cannot
     fail by chance on one machine and pass on the next.  Give each run its own range."""
-
-    async def go():
-        return await asyncio.gather(
-            *(
-                collect(
-                    engine,
-                    f"r{i}",
-                    prompt,
-                    max_tokens=count,
-                    temperature=1.0,
-                    ignore_eos=True,
-                    seed=first_seed + i,
-                )
-                for i in range(n)
-            )
-        )
-
-    with asyncio.Runner() as runner:
-        results = runner.run(go())
+    seeds = range(first_seed, first_seed + n)
+    law = {"max_tokens": count, "temperature": 1.0, "ignore_eos": True}
+    results = run_all(engine, [prompt] * n, seeds=seeds, **law)
     return [tuple(r[0][1:]) for r in results]
 
 

@@ -2,9 +2,8 @@
 
 The gateway's work per request is mostly socket reads and writes and wake-ups from its
 threads (body parsing, tokenizing); uvloop does each in C, as vLLM's and SGLang's API
-servers run it.  uvicorn likewise parses HTTP with httptools when that is installed
-(``http="auto"``).  Both are dependencies of specd; the fallback keeps a machine that
-lacks one (an offline GPU image) serving.
+servers run it (HTTP is parsed in C as well: `http_protocol`).  uvloop is a dependency
+of specd; the fallback keeps a machine that lacks it (an offline GPU image) serving.
 """
 
 from __future__ import annotations
