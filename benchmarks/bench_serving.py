@@ -72,6 +72,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from bench_engine import vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_SPEC = REPO / "examples" / "demo.yaml"
@@ -279,15 +280,6 @@ def specd_server(
             served.proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 served.proc.wait(timeout=60)
-
-
-def vllm_env() -> dict[str, str]:
-    """vLLM's CPU build, offline; its model threads on every core (as the demo SDD's
-    ``resources.cpu``) unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: by default
-    vLLM keeps one core for its scheduler process, one thread of two on a 2-core VM."""
-    every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    return {**every_core, **os.environ, "VLLM_TARGET_DEVICE": "cpu", **offline}
 
 
 def vllm_command(python: str, *args: str) -> list[str]:
