@@ -9,6 +9,7 @@ module (the replica must survive every case: the last test checks it did).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -389,6 +390,90 @@ def test_a_client_gone_mid_body_is_no_error(gateway, http):
     finally:
         logger.removeHandler(records)
     assert not [m for m in records.messages if "Exception in ASGI" in m]
+
+
+# -- read timeouts (spec.gateway.requestReadTimeoutSeconds) ------------------------------
+
+READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture()
+def short_read_timeout(gateway):
+    """The gateway's read timeout at `READ_TIMEOUT_S` for one test (set in the live spec,
+    as the operator would), restored after it."""
+    spec = gateway.pool.spec
+    short = spec.model_copy(
+        update={
+            "gateway": spec.gateway.model_copy(
+                update={"request_read_timeout_seconds": READ_TIMEOUT_S}
+            )
+        }
+    )
+    in_loop(gateway, gateway.pool.update_spec, short)
+    yield
+    in_loop(gateway, gateway.pool.update_spec, spec)
+    assert gateway.pool.spec.gateway.request_read_timeout_seconds == 60.0
+
+
+def _answer(conn: socket.socket) -> tuple[bytes, float]:
+    """Everything the gateway sends until it closes ``conn``, and the seconds it took."""
+    start, got = time.monotonic(), b""
+    with conn:
+        while chunk := conn.recv(4096):
+            got += chunk
+    return got, time.monotonic() - start
+
+
+POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+
+
+def test_a_connection_that_sends_nothing_is_closed_with_408(gateway, short_read_timeout):
+    answer, seconds = _answer(_raw_request(gateway, b""))
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert b"connection: close" in answer
+    assert seconds >= READ_TIMEOUT_S * 0.9  # the timeout, not sooner
+
+
+def test_a_header_sent_a_byte_at_a_time_is_cut_off(gateway, short_read_timeout):
+    """Slowloris: every byte comes well within the timeout, the header never ends; the
+    timeout bounds the whole header, so the drip does not keep the connection."""
+    conn = _raw_request(gateway, b"GET /health HTTP/1.1\r\nhost: x\r\n")
+    sent = 0
+    with contextlib.suppress(OSError):  # the gateway closes the connection under the drip
+        while sent < 40:  # 40 x 0.1 s: 4x the timeout
+            conn.sendall(b"x-drip: 1\r\n")
+            sent += 1
+            time.sleep(0.1)
+    answer, _ = _answer(conn)
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert sent < 40
+
+
+def test_a_body_that_stops_halfway_is_408_and_no_error(gateway, http, short_read_timeout):
+    records, logger = _Records(), logging.getLogger("uvicorn.error")
+    logger.addHandler(records)
+    try:
+        conn = _raw_request(gateway, POST_HEAD + b"content-length: 1000\r\n\r\n", b'{"mod')
+        answer, seconds = _answer(conn)
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        assert seconds >= READ_TIMEOUT_S * 0.9
+        time.sleep(0.2)  # the handler that waited for the body has ended
+        assert http.get("/health").status_code == 200
+    finally:
+        logger.removeHandler(records)
+    assert not records.messages
+
+
+def test_a_slow_body_that_keeps_coming_is_served(gateway, short_read_timeout):
+    """The body's timeout is a pause between reads, not a deadline: a body sent in
+    pieces over 3x the timeout, none of its pauses as long as it, is answered."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello there", "max_tokens": 2}).encode()
+    conn = _raw_request(gateway, POST_HEAD + b"content-length: %d\r\n\r\n" % len(body))
+    pieces = [body[i : i + len(body) // 6 + 1] for i in range(0, len(body), len(body) // 6 + 1)]
+    for piece in pieces:
+        time.sleep(READ_TIMEOUT_S / 2)
+        conn.sendall(piece)
+    assert _status_line(conn) == b"HTTP/1.1 200 OK"
 
 
 def test_the_replica_survived_every_case(gateway, http):

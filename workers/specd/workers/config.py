@@ -273,6 +273,15 @@ class GatewaySpec(SpecModel):
         "not read; past it the stream is cut off with an error and its request aborted "
         "(its KV freed), so a stalled reader holds neither gateway memory nor KV",
     )
+    request_read_timeout_seconds: float = Field(
+        60.0,
+        ge=1,
+        le=3600,
+        description="How long a client may take to send a request's header (from the "
+        "connection opening, or its first byte on a kept-alive connection) and may pause "
+        "between two reads of its body; past it: 408 and the connection closed, so a "
+        "connection that sends nothing, or a header or body that stalls, holds no socket",
+    )
 
 
 class ResourcesSpec(SpecModel):

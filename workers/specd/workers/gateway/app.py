@@ -181,7 +181,7 @@ class Gateway:
                 port=self.port,
                 log_level="warning",
                 lifespan="off",
-                http=http_protocol(),
+                http=http_protocol(lambda: self.pool.spec.gateway.request_read_timeout_seconds),
                 timeout_graceful_shutdown=max(1, math.ceil(self.drain_timeout_s)),
             )
             self._server = _Server(config)
