@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import socket
 import statistics
 import threading
@@ -447,6 +448,15 @@ def test_a_header_sent_a_byte_at_a_time_is_cut_off(gateway, short_read_timeout):
     answer, _ = _answer(conn)
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
     assert sent < 40
+
+
+def test_a_kept_alive_connections_next_header_is_timed_too(gateway, short_read_timeout):
+    """A request served, then the next one's header begun and left: 408 after the
+    first response (the finished one does not make the gateway close without a word)."""
+    first = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    answer, _ = _answer(_raw_request(gateway, first + b"GET /health HTTP/1.1\r\nhost"))
+    statuses = re.findall(rb"HTTP/1\.1 \d{3} [A-Za-z ]+\r\n", answer)
+    assert statuses == [b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 408 Request Timeout\r\n"]
 
 
 def test_a_body_that_stops_halfway_is_408_and_no_error(gateway, http, short_read_timeout):

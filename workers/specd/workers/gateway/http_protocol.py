@@ -76,7 +76,10 @@ def http_protocol(read_timeout_s: Callable[[], float]) -> type | str:
         def on_headers_complete(self) -> None:
             self._in_header = False
             super().on_headers_complete()
-            self._time_read(self._body_paused)
+            if self.parser.should_upgrade():  # the connection leaves HTTP: nothing to time
+                self._stop_read_timer()
+            else:
+                self._time_read(self._body_paused)
 
         def on_body(self, body: bytes) -> None:
             super().on_body(body)
@@ -111,7 +114,8 @@ def http_protocol(read_timeout_s: Callable[[], float]) -> type | str:
         def _time_out(self) -> None:
             if self.transport.is_closing():
                 return
-            if self.cycle is not None and self.cycle.response_started:
+            cycle = self.cycle  # this request's, or the one before it on the connection
+            if cycle is not None and cycle.response_started and not cycle.response_complete:
                 self.transport.close()  # no second status line in a begun response
             else:
                 self._refuse(b"408 Request Timeout", b"request not received in time")
