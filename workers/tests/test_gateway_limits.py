@@ -474,6 +474,17 @@ def test_a_body_that_stops_halfway_is_408_and_no_error(gateway, http, short_read
     assert not records.messages
 
 
+def test_a_body_left_after_an_early_answer_is_closed_without_a_second_one(
+    gateway, short_read_timeout
+):
+    """413 at once for a body over the limit; the client then sends no more: the
+    connection is closed at the timeout with no 408 after the 413."""
+    head = POST_HEAD + b"content-length: %d\r\n\r\n" % (20 * MIB)
+    answer, seconds = _answer(_raw_request(gateway, head, b"x" * 1000))
+    assert re.findall(rb"HTTP/1\.1 \d{3}", answer) == [b"HTTP/1.1 413"]
+    assert seconds >= READ_TIMEOUT_S * 0.9
+
+
 def test_a_slow_body_that_keeps_coming_is_served(gateway, short_read_timeout):
     """The body's timeout is a pause between reads, not a deadline: a body sent in
     pieces over 3x the timeout, none of its pauses as long as it, is answered."""

@@ -19,9 +19,9 @@ would hold a socket and a handler for ever.  As nginx's ``client_header_timeout`
 connection opening (or of its first byte, on a kept-alive connection), and its body may
 pause for at most the timeout between two reads.  A pause while the gateway itself is
 not reading (its handler has not taken the body so far, or has not yet sent the
-``100 Continue`` that a client sending ``Expect: 100-continue`` waits for) does not count.  Past either:
-408 and the connection closed (closed alone once a response has begun); a handler
-waiting for the body sees the client gone.
+``100 Continue`` that a client sending ``Expect: 100-continue`` waits for) does not
+count.  Past either: 408 and the connection closed (closed alone once a response to the
+request has begun); a handler waiting for the body sees the client gone.
 """
 
 from __future__ import annotations
@@ -100,23 +100,27 @@ def http_protocol(read_timeout_s: Callable[[], float]) -> type | str:
 
         def _header_timed_out(self) -> None:
             self._read_timer = None
-            self._time_out()
+            before = self.cycle  # the request before this one on the connection, if any
+            self._time_out(
+                before is not None and before.response_started and not before.response_complete
+            )
 
         def _body_paused(self) -> None:
             self._read_timer = None
-            cycle = self.cycle
-            if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+            cycle = self.cycle  # this request's
+            if self.flow.read_paused or cycle.waiting_for_100_continue:
                 # the gateway is not reading, or has not asked for the body: not the client's pause
                 self._time_read(self._body_paused)
             else:
-                self._time_out()
+                self._time_out(cycle.response_started)
 
-        def _time_out(self) -> None:
+        def _time_out(self, answering: bool) -> None:
+            """408 and close; close alone while a response is being (or has been) sent
+            for this request, since a second status line would corrupt it."""
             if self.transport.is_closing():
                 return
-            cycle = self.cycle  # this request's, or the one before it on the connection
-            if cycle is not None and cycle.response_started and not cycle.response_complete:
-                self.transport.close()  # no second status line in a begun response
+            if answering:
+                self.transport.close()
             else:
                 self._refuse(b"408 Request Timeout", b"request not received in time")
 
