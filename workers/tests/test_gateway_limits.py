@@ -22,7 +22,7 @@ import httpx
 import pytest
 import ray
 
-from specd.devtools.testing import in_loop
+from specd.devtools.testing import in_loop, metric_in_text
 from specd.devtools.tiny_checkpoint import make_tiny_checkpoint
 from specd.workers.config import spec_for_model
 from specd.workers.model.tokenizer import decode_text, load_tokenizer
@@ -459,9 +459,21 @@ def test_a_kept_alive_connections_next_header_is_timed_too(gateway, short_read_t
     assert statuses == [b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 408 Request Timeout\r\n"]
 
 
+def _requests_counted(http, code: str) -> float:
+    """``specd_gateway_requests_total`` of /v1/completions with ``code`` so far."""
+    text = http.get("/metrics").text
+    try:
+        return metric_in_text(text, "specd_gateway_requests_total", endpoint=CMPL, code=code)
+    except KeyError:
+        return 0.0
+
+
 def test_a_body_that_stops_halfway_is_408_and_no_error(gateway, http, short_read_timeout):
+    """408 for the client; in the gateway's metrics the request's client left (499), not
+    a server error (500)."""
     records, logger = _Records(), logging.getLogger("uvicorn.error")
     logger.addHandler(records)
+    gone, errors = _requests_counted(http, "499"), _requests_counted(http, "500")
     try:
         conn = _raw_request(gateway, POST_HEAD + b"content-length: 1000\r\n\r\n", b'{"mod')
         answer, seconds = _answer(conn)
@@ -472,6 +484,8 @@ def test_a_body_that_stops_halfway_is_408_and_no_error(gateway, http, short_read
     finally:
         logger.removeHandler(records)
     assert not records.messages
+    assert _requests_counted(http, "499") == gone + 1
+    assert _requests_counted(http, "500") == errors
 
 
 def test_a_body_left_after_an_early_answer_is_closed_without_a_second_one(

@@ -190,8 +190,13 @@ class _RoutingCounts:
         return [deaths, cut_off, retired]
 
 
+CLIENT_GONE = 499  # nginx's code for a request whose client left before it was answered
+
+
 class CountRequests:
-    """ASGI middleware: counts every response by route template and status code."""
+    """ASGI middleware: counts every response by route template and status code; a
+    request whose client left before any answer (mid-body, or cut off by
+    ``requestReadTimeoutSeconds``) counts as `CLIENT_GONE`, not as a 500."""
 
     def __init__(self, app: Any, metrics: GatewayMetrics):
         self.app, self.metrics = app, metrics
@@ -202,6 +207,13 @@ class CountRequests:
             return
         status = 500
 
+        async def receive_and_note() -> dict:
+            nonlocal status
+            message = await receive()
+            if message["type"] == "http.disconnect" and status == 500:
+                status = CLIENT_GONE
+            return message
+
         async def send_and_note(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
@@ -210,7 +222,7 @@ class CountRequests:
 
         self.metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, receive_and_note, send_and_note)
         finally:
             self.metrics.in_flight.dec()
             endpoint = getattr(scope.get("route"), "path", "other")  # never raw paths: cardinality
