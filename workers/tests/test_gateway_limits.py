@@ -93,19 +93,25 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(http, chunked):
     assert http.get("/health").status_code == 200  # the connection and the gateway go on
 
 
-def test_the_limit_is_read_from_the_live_spec(gateway, http):
+@contextlib.contextmanager
+def _live_gateway_spec(gateway, **fields):
+    """``spec.gateway`` with ``fields`` changed in the live spec (as the operator would
+    change it), restored after."""
     spec = gateway.pool.spec
-    lowered = spec.model_copy(
-        update={"gateway": spec.gateway.model_copy(update={"max_request_bytes": 65536})}
-    )
-    in_loop(gateway, gateway.pool.update_spec, lowered)
+    changed = spec.model_copy(update={"gateway": spec.gateway.model_copy(update=fields)})
+    in_loop(gateway, gateway.pool.update_spec, changed)
     try:
+        yield
+    finally:
+        in_loop(gateway, gateway.pool.update_spec, spec)
+
+
+def test_the_limit_is_read_from_the_live_spec(gateway, http):
+    with _live_gateway_spec(gateway, max_request_bytes=65536):
         error = _error(http.post(CMPL, content=_big_body(70_000)), 413)
         assert "65536 bytes" in error["message"]
         small = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
         assert http.post(CMPL, json=small).status_code == 200
-    finally:
-        in_loop(gateway, gateway.pool.update_spec, spec)
     assert gateway.pool.spec.gateway.max_request_bytes == 16 * MIB
 
 
@@ -402,17 +408,8 @@ READ_TIMEOUT_S = 1.0
 def short_read_timeout(gateway):
     """The gateway's read timeout at `READ_TIMEOUT_S` for one test (set in the live spec,
     as the operator would), restored after it."""
-    spec = gateway.pool.spec
-    short = spec.model_copy(
-        update={
-            "gateway": spec.gateway.model_copy(
-                update={"request_read_timeout_seconds": READ_TIMEOUT_S}
-            )
-        }
-    )
-    in_loop(gateway, gateway.pool.update_spec, short)
-    yield
-    in_loop(gateway, gateway.pool.update_spec, spec)
+    with _live_gateway_spec(gateway, request_read_timeout_seconds=READ_TIMEOUT_S):
+        yield
     assert gateway.pool.spec.gateway.request_read_timeout_seconds == 60.0
 
 
