@@ -7,6 +7,9 @@ ARG EXTRAS=""
 # uid 65532 as the chart's runAsUser
 RUN useradd --uid 65532 --create-home --shell /usr/sbin/nologin specd
 WORKDIR /opt/specd
+# gcc: the CPU attention kernel is compiled on first use (kernels/specd/kernels/cpu_attention.py)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY workers workers
 COPY kernels kernels

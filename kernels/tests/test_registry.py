@@ -25,9 +25,13 @@ def fake_backend(monkeypatch, name, devices=("cpu", "cuda"), dtypes=registry.ALL
     monkeypatch.setitem(registry._FACTORIES, name, TorchAttentionBackend)
 
 
-def test_auto_is_torch_on_cpu():
-    assert resolve_backend_name("auto", "cpu") == "torch"
-    assert resolve_backend_name("auto", "cpu", torch.bfloat16) == "torch"
+def test_auto_on_cpu_is_the_c_kernel_for_its_dtypes_and_torch_for_the_rest():
+    assert "cpu" in available_backends(), missing_backends().get("cpu")
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert resolve_backend_name("auto", "cpu", torch.bfloat16) == "cpu"
+    assert resolve_backend_name("auto", "cpu", torch.float16) == "torch"
+    with pytest.raises(ValueError, match="spec.attentionBackend.*'cpu' does not run on cuda"):
+        resolve_backend_name("cpu", "cuda")
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])

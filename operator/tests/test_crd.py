@@ -302,7 +302,7 @@ def test_schema_is_structural():
         "minimum": 1,
         "type": "integer",
     }
-    assert spec["attentionBackend"]["enum"] == ["auto", "torch", "flashinfer", "triton"]
+    assert spec["attentionBackend"]["enum"] == ["auto", "torch", "cpu", "flashinfer", "triton"]
     assert spec["speculative"]["properties"]["minAcceptLength"]["default"] == 1.5
 
 

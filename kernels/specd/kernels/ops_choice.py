@@ -29,6 +29,6 @@ def get_ops(name: str) -> KernelOps:
 def ops_for_backend(backend: str) -> KernelOps:
     """The ops an engine on attention ``backend`` runs: Triton beside a CUDA backend
     (``triton``, ``flashinfer``) when it is installed, torch otherwise."""
-    if backend != "torch" and importlib.util.find_spec("triton") is not None:
+    if backend in ("triton", "flashinfer") and importlib.util.find_spec("triton") is not None:
         return get_ops("triton")
     return TORCH_OPS

@@ -4,8 +4,9 @@ Each backend declares what it supports (devices, dtypes, custom masks, the paged
 layout with page_size > 1 and topk > 1); the engine asks the registry instead of
 branching on names, and config validation refuses combinations a backend cannot run.
 
-Backends whose package is missing (``triton``, ``flashinfer``) are not registered; the
-registry remembers why, so asking for one names the install step.
+Backends whose package is missing (``triton``, ``flashinfer``), or whose kernel cannot be
+built here (``cpu``: no C compiler), are not registered; the registry remembers why, so
+asking for one names the install step.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from specd.kernels.backend import (  # noqa: F401  (re-exported: the registry's 
 from specd.kernels.backend import CAPABILITIES as _CAPABILITIES
 from specd.kernels.backend import FACTORIES as _FACTORIES
 
-# ``auto`` on CUDA: the first of these that is installed and runs the model's dtype.
+# ``auto``: the first of these that is installed and runs the model's dtype.
 CUDA_PREFERENCE = ("flashinfer", "triton", "torch")
+CPU_PREFERENCE = ("cpu", "torch")
 
 
 _MISSING: dict[str, str] = {}  # backend -> why it is not registered
 _OPTIONAL = {
     "triton": ("specd.kernels.triton_backend", "pip install triton (or specd[gpu])"),
     "flashinfer": ("specd.kernels.flashinfer_backend", "pip install 'specd[gpu]' on a CUDA host"),
+    "cpu": ("specd.kernels.cpu_backend", "install a C compiler (gcc), or use 'torch'"),
 }
 
 
@@ -62,9 +65,7 @@ def _pick_auto(
     device: str, dtype: torch.dtype | None, paged_tree: bool, head_dims: tuple[int, ...]
 ) -> str:
     backends = available_backends()
-    if device != "cuda":
-        return "torch"
-    for name in CUDA_PREFERENCE:
+    for name in CUDA_PREFERENCE if device == "cuda" else CPU_PREFERENCE:
         caps = backends.get(name)
         if (
             caps

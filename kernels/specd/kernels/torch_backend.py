@@ -79,6 +79,27 @@ def _masked_batch(meta: AttentionMetadata, rows: list[int], qo: list[int], kv: l
     return q_index, q_valid, slots, mask
 
 
+def plan_extends(
+    meta: AttentionMetadata, rows: list[int], qo: list[int], kv: list[int]
+) -> tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]:
+    """Requests ``rows`` run one by one: (first query, end, pool slots, mask) each.
+    ``qo``/``kv``: the exclusive cumsums of the batch's query and KV lengths."""
+    device = meta.kv_indices.device
+    return tuple(
+        (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
+        for i in rows
+    )
+
+
+def run_extends(q, k_buffer, v_buffer, extends, scale: float, out: torch.Tensor) -> None:
+    """Write the attention of each of `plan_extends`' requests into its rows of ``out``."""
+    for q0, q1, slots, mask in extends:
+        k = _gather(k_buffer, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
+        v = _gather(v_buffer, slots).transpose(0, 1)[None]
+        qi = q[q0:q1].transpose(0, 1)[None]  # [1, H, q_len, D]
+        out[q0:q1] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1)
+
+
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """buffer [num_slots, Hkv, D], slots [...] -> [..., Hkv, D].  ``index_select`` copies
     whole rows: 1.6-2x faster than advanced indexing on CPU (measured at 1 x 100 and
@@ -130,11 +151,7 @@ class TorchAttentionBackend:
         masked = None
         if meta.custom_mask is not None and len(alone) > 1:
             masked, alone = _masked_batch(meta, alone, qo, kv), []
-        extends = tuple(
-            (qo[i], qo[i + 1], meta.kv_indices[kv[i] : kv[i + 1]], _request_mask(meta, i, device))
-            for i in alone
-        )
-        return TorchAttentionPlan(q_rows, slots, mask, extends, masked)
+        return TorchAttentionPlan(q_rows, slots, mask, plan_extends(meta, alone, qo, kv), masked)
 
     def forward(self, q, k_buffer, v_buffer, plan: TorchAttentionPlan, scale: float):
         """q [N, H, D] -> [N, H, D], reading K/V from the pool through ``plan``."""
@@ -150,11 +167,7 @@ class TorchAttentionBackend:
             v = _gather(v_buffer, slots).transpose(1, 2)
             qb = q[q_index].transpose(1, 2)  # [b, H, max_q, D]
             out[q_index[q_valid]] = _attend(qb, k, v, mask, scale).transpose(1, 2)[q_valid]
-        for q0, q1, slots, mask in plan.extends:
-            k = _gather(k_buffer, slots).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-            v = _gather(v_buffer, slots).transpose(0, 1)[None]
-            qi = q[q0:q1].transpose(0, 1)[None]  # [1, H, q_len, D]
-            out[q0:q1] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1)
+        run_extends(q, k_buffer, v_buffer, plan.extends, scale, out)
         return out
 
     @staticmethod

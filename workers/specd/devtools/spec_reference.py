@@ -47,9 +47,10 @@ _NOTES: dict[tuple[type[BaseModel], str], str] = {
     (config.DeploymentSpec, "speculative"): "Draft steps, branching and verified tokens; "
     "`speculative: {}` takes the defaults",
     (config.DeploymentSpec, "kv_cache"): "The paged KV cache",
-    (config.DeploymentSpec, "attention_backend"): "auto: torch on CPU; on CUDA the first "
-    "of flashinfer, triton, torch that is installed and runs the model's dtype and head "
-    "size",
+    (config.DeploymentSpec, "attention_backend"): "auto: on CPU `cpu` (a C kernel built "
+    "on first use; needs a C compiler) for float32 and bfloat16, else torch; on CUDA the "
+    "first of flashinfer, triton, torch that is installed and runs the model's dtype and "
+    "head size",
     (config.DeploymentSpec, "cuda_graph"): "CUDA graph capture (CUDA backends)",
     (config.DeploymentSpec, "replicas"): "Engine actors; with `autoscaling`, the count "
     "it starts from (`kubectl scale` sets it)",

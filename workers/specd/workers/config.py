@@ -344,7 +344,7 @@ class DeploymentSpec(SpecModel):
     draft: DraftSpec | None = None
     speculative: SpeculativeSpec | None = None
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
-    attention_backend: Literal["auto", "torch", "flashinfer", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "flashinfer", "triton"] = "auto"
     cuda_graph: CudaGraphSpec = Field(default_factory=CudaGraphSpec)
     replicas: int = Field(1, ge=0, le=1024)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
