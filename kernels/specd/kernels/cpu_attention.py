@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -52,7 +54,10 @@ def _cpu_flags() -> str:
 def _cache_dirs() -> list[Path]:
     if env := os.environ.get("SPECD_KERNEL_CACHE"):
         return [Path(env)]
-    return [Path.home() / ".cache" / "specd" / "kernels", Path(tempfile.gettempdir()) / "specd-kernels"]
+    return [
+        Path.home() / ".cache" / "specd" / "kernels",
+        Path(tempfile.gettempdir()) / "specd-kernels",
+    ]
 
 
 def _loaded_openmp() -> set[str]:
@@ -83,10 +88,9 @@ def _library_path() -> Path:
             f"no C compiler ({compiler!r} not found): install gcc (or set CC) for the CPU "
             "attention kernel"
         )
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                    _cpu_flags().encode(), platform.machine().encode()])  # fmt: skip
-    ).hexdigest()[:16]
+    parts = [" ".join(FLAGS), compiler, _cpu_flags(), platform.machine()]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), *(p.encode() for p in parts)]))
+    key = key.hexdigest()[:16]
     errors = []
     for folder in _cache_dirs():
         target = folder / f"paged_attention-{key}.so"
@@ -127,6 +131,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         return _open_library(), None
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as err:
+        log.warning(
+            "the CPU attention kernel cannot run here (%s); CPU attention runs on torch", err
+        )
         return None, str(err)
 
 
