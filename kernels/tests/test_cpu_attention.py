@@ -115,7 +115,8 @@ def test_an_index_outside_the_pool_is_an_error_not_a_crash():
 
 def test_without_a_c_compiler_auto_is_torch_and_cpu_names_the_fix(tmp_path):
     """A fresh kernel cache and no compiler: the backend is missing with the reason, auto
-    falls back to the torch reference, and asking for it names the field and the fix."""
+    falls back to the torch reference with a warning, and asking for it names the field
+    and the fix."""
     probe = (
         "import torch\n"
         "from specd.kernels.registry import missing_backends, resolve_backend_name\n"
@@ -134,6 +135,8 @@ def test_without_a_c_compiler_auto_is_torch_and_cpu_names_the_fix(tmp_path):
     reason, error = done.stdout.strip().splitlines()
     assert "no C compiler ('no-such-compiler' not found)" in reason and "gcc" in reason
     assert error.startswith("spec.attentionBackend: backend 'cpu' is not available")
+    assert "CPU attention runs on the torch reference" in done.stderr  # said once, with why
+    assert done.stderr.count("no-such-compiler") == 1
     assert not list(tmp_path.iterdir())
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -131,9 +129,6 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         return _open_library(), None
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as err:
-        log.warning(
-            "the CPU attention kernel cannot run here (%s); CPU attention runs on torch", err
-        )
         return None, str(err)
 
 

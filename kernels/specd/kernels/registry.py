@@ -11,7 +11,9 @@ asking for one names the install step.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +26,8 @@ from specd.kernels.backend import (  # noqa: F401  (re-exported: the registry's 
 )
 from specd.kernels.backend import CAPABILITIES as _CAPABILITIES
 from specd.kernels.backend import FACTORIES as _FACTORIES
+
+log = logging.getLogger(__name__)
 
 # ``auto``: the first of these that is installed and runs the model's dtype.
 CUDA_PREFERENCE = ("flashinfer", "triton", "torch")
@@ -61,10 +65,19 @@ def missing_backends() -> dict[str, str]:
     return dict(_MISSING)
 
 
+@functools.cache
+def _warn_cpu_fallback(reason: str) -> None:
+    log.warning(
+        "CPU attention runs on the torch reference: the C kernel cannot run here (%s)", reason
+    )
+
+
 def _pick_auto(
     device: str, dtype: torch.dtype | None, paged_tree: bool, head_dims: tuple[int, ...]
 ) -> str:
     backends = available_backends()
+    if device != "cuda" and "cpu" in _MISSING:
+        _warn_cpu_fallback(_MISSING["cpu"])
     for name in CUDA_PREFERENCE if device == "cuda" else CPU_PREFERENCE:
         caps = backends.get(name)
         if (
