@@ -145,7 +145,7 @@ int specd_paged_attention(int is_bf16, const void *q, const void *k, const void 
     /* whole requests per task once there are enough of them and their rows are few (each
        K/V row read in one piece), else one kv head per task so that every thread has work
        and the scores of a task stay small */
-    const int64_t nh = R >= 4 * num_threads && max_qo * H <= 512 ? Hkv : 1;
+    const int64_t nh = R >= 4 * num_threads && max_qo * H <= 64 ? Hkv : 1;
     const int64_t tasks = R * (Hkv / nh);
     for (int64_t i = 0; i < B; i++) {
         offsets[i] = off;
