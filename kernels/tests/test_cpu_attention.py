@@ -105,6 +105,11 @@ def test_an_index_outside_the_pool_is_an_error_not_a_crash():
             q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr, bad, None, everyone, 0.5,
             torch.empty_like(q),
         )  # fmt: skip
+    with pytest.raises(ValueError, match="of one shape"):  # V with fewer slots than K
+        paged_attention(
+            q, k_buf, v_buf[:-1], meta.qo_indptr, meta.kv_indptr, meta.kv_indices, None,
+            everyone, 0.5, torch.empty_like(q),
+        )  # fmt: skip
     short_mask = torch.ones(5, dtype=torch.bool)  # the batch needs 4 + 7
     with pytest.raises(IndexError, match="does not fit"):
         paged_attention(

@@ -149,9 +149,10 @@ def _check(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> N
         raise ValueError(f"the CPU kernel computes {DTYPES} with K/V of the query's dtype")
     if q.device.type != "cpu" or q.dim() != 3 or q.stride(2) != 1:
         raise ValueError("q must be a CPU [tokens, heads, head_dim] tensor, unit stride last")
-    for buf in (k_buffer, v_buffer):
-        if not buf.is_contiguous() or buf.shape[1:] != k_buffer.shape[1:]:
-            raise ValueError("K/V buffers must be contiguous [slots, kv_heads, head_dim]")
+    if k_buffer.shape != v_buffer.shape or not (
+        k_buffer.is_contiguous() and v_buffer.is_contiguous()
+    ):
+        raise ValueError("K/V buffers must be contiguous [slots, kv_heads, head_dim] of one shape")
     if q.shape[1] % k_buffer.shape[1] or q.shape[2] != k_buffer.shape[2]:
         raise ValueError("query heads must be a multiple of kv heads, with one head size")
 
@@ -172,13 +173,13 @@ def paged_attention(
     (``csrc/paged_attention.c``); other requests' rows of ``out`` are left as they are."""
     _check(q, k_buffer, v_buffer)
     index = [t.contiguous() for t in (qo_indptr, kv_indptr, kv_indices, requests)]
-    if any(t.dtype != torch.int64 for t in index) or not out.is_contiguous():
-        raise ValueError("indices must be int64 and out contiguous")
+    if any(t.dtype != torch.int64 for t in index):
+        raise ValueError("indices must be int64")
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be contiguous, with q's shape and dtype")
     mask = None if custom_mask is None else custom_mask.contiguous()
     if mask is not None and mask.dtype not in (torch.bool, torch.uint8):
         raise ValueError("custom_mask must be bool")
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError("out must have q's shape and dtype")
     (tokens, heads, dim), (qo, kv, slots, reqs) = q.shape, index
     status = _library().specd_paged_attention(
         int(q.dtype == torch.bfloat16),
