@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_file = work / "served.yaml"
         spec_file.write_text(yaml.safe_dump(doc, sort_keys=False))
         vocab = bench_gpu.SHAPES[args.shape].vocab
-        with specd_server(spec_file, doc, work / "state", env) as url:
-            rows = rows_of(in_process, time_served(args, url, vocab))
+        with specd_server(spec_file, doc, work / "state", env) as server:
+            rows = rows_of(in_process, time_served(args, server.url, vocab))
     print(table(rows))
     print("where a run's time went, in-process / served (medians; steps: mean):")
     print(split_table(rows))

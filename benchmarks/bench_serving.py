@@ -34,6 +34,15 @@ prints speculation / plain decode served and in-process from the one run;
 ``--rounds 2`` serves them twice, in the order on off off on (a VM whose speed drifts
 over the run favours neither), and prints each round's ratio and their median.
 
+Where the cores went: during each served run the client's and the server's processes
+(everything under each) are sampled from /proc (``proc_cpu.CoreSampler``), over the time
+the server was busy, and specd's in-process worker is measured the same way under the
+client's load.  A second table prints the client's cores, the server's, the engine's
+in-process cores, served / in-process under the same load, and its bound where the
+client shares the machine (``kept_bound``: the cores the client leaves over those the
+engine used alone).  On a 2-core machine the client alone can hold served / in-process
+well under 1 whatever the server does.
+
 ``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
 256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
 the engine costs nearly nothing, so the gateway, Ray and SSE path is what is measured.
@@ -56,6 +65,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
@@ -73,6 +83,7 @@ from pathlib import Path
 import httpx
 import yaml
 from bench_engine import vllm_env
+from proc_cpu import CoreSampler, pids_cpu_seconds, specd_roles, tree_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_SPEC = REPO / "examples" / "demo.yaml"
@@ -130,6 +141,18 @@ class Served:
     itl_ms: tuple[float, float]
     completed: int
     output_tokens: int
+    client_cores: float | None = None  # cores the client used while the server was busy
+    server_cores: float | None = None  # cores the server's processes used meanwhile
+    engine_cores: float | None = None  # of which specd's engine actors
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    """A server this benchmark started: its URL and the process everything of it runs under."""
+
+    url: str
+    pid: int
+    engine_pids: tuple[int, ...] = ()  # specd's engine actors (Ray workers under ``pid``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +163,7 @@ class Row:
     served: Served
     in_process_tok_s: float | None = None  # the engine alone, a closed batch of ``concurrency``
     in_process_load_tok_s: float | None = None  # the engine alone, under the client's load
+    in_process_load_cores: float | None = None  # cores the engine alone used under that load
     round: int = 1  # ``--rounds``: which pass over the servers (their order alternates)
 
 
@@ -269,13 +293,14 @@ def specd_server(
     spec_file: Path, doc: dict, state_dir: Path, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """``specd serve`` as a user runs it (``env`` added to its environment), yielding
-    its URL; stopped with SIGINT."""
+    it as a `Server`; stopped with SIGINT."""
     from specd.devtools.testing import specd_serve
 
     name = doc["metadata"]["name"]
     with specd_serve(spec_file, name, state_dir, env=env, ready_timeout_s=600) as served:
         try:
-            yield served.url
+            pid = served.proc.pid
+            yield Server(served.url, pid, tuple(specd_roles(pid)["engine"]))
         finally:
             served.proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -293,10 +318,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, model: Path, name: str, max_seqs: int, log: Path) -> Iterator[str]:
+def vllm_server(python: str, model: Path, name: str, max_seqs: int, log: Path) -> Iterator[Server]:
     """``vllm serve`` of ``model`` (float32, eager, ``vllm_env``'s threads) under
-    ``name``, yielding its URL once /v1/models answers; its process group is stopped
-    on exit."""
+    ``name``, yielded as a `Server` once /v1/models answers; its process group is
+    stopped on exit."""
     port = _free_port()
     max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     cmd = vllm_command(
@@ -316,7 +341,7 @@ def vllm_server(python: str, model: Path, name: str, max_seqs: int, log: Path) -
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"vllm serve did not start:\n{log.read_text()[-3000:]}")
             time.sleep(2)
-        yield url
+        yield Server(url, proc.pid)
     finally:
         _stop_group(proc)
 
@@ -343,7 +368,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
 # -- the client --------------------------------------------------------------------------
 def run_client(
     python: str,
-    url: str,
+    server: Server,
     served_name: str,
     tokenizer_dir: Path,
     prompt_set: PromptSet,
@@ -356,9 +381,10 @@ def run_client(
     """One ``vllm bench serve`` run: ``prompts`` requests of the set, at most
     ``concurrency`` in flight, greedy, 64 tokens each, after ``concurrency`` untimed
     warm-up requests in flight at once (a first batch of a new size runs slower);
-    prompts go as written (the server templates chat messages)."""
+    prompts go as written (the server templates chat messages).  The cores the client
+    and the server used are sampled from /proc over the time the server was busy."""
     cmd = vllm_command(
-        python, "bench", "serve", "--backend", prompt_set.backend, "--base-url", url,
+        python, "bench", "serve", "--backend", prompt_set.backend, "--base-url", server.url,
         "--endpoint", prompt_set.endpoint, "--model", served_name,
         "--tokenizer", str(tokenizer_dir), "--dataset-name", "custom",
         "--dataset-path", str(dataset), "--custom-output-len", "-1",
@@ -370,31 +396,49 @@ def run_client(
     )  # fmt: skip
     log = out_dir / f"{tag}.log"
     with open(log, "w") as out:
-        done = subprocess.run(cmd, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode:
+        client = subprocess.Popen(cmd, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT)
+        groups = {"server": server.pid, "client": client.pid}
+        if server.engine_pids:
+            groups["engine"] = functools.partial(pids_cpu_seconds, list(server.engine_pids))
+        sampler = CoreSampler(groups).start()
+        try:
+            client.wait()
+        finally:
+            sampler.stop()
+    if client.returncode:
         raise RuntimeError(f"vllm bench serve failed ({tag}):\n{log.read_text()[-3000:]}")
-    return read_result(out_dir / f"{tag}.json")
+    served = read_result(out_dir / f"{tag}.json")
+    cores = sampler.cores(busy="server")
+    if cores is None:
+        return served
+    return dataclasses.replace(
+        served,
+        client_cores=cores.cores["client"],
+        server_cores=cores.cores["server"],
+        engine_cores=cores.cores.get("engine"),
+    )
 
 
 def serve_sets(
-    args, server: str, url: str, name: str, model: Path, sets: list[PromptSet], work: Path
+    args, label: str, server: Server, name: str, model: Path, sets: list[PromptSet], work: Path
 ) -> list[Row]:
     rows = []
     for prompt_set in sets:
         dataset = write_dataset(work / f"{prompt_set.name}.jsonl", list(prompt_set.prompts),
                                 OUTPUT_TOKENS)  # fmt: skip
         for c in args.concurrency:
-            tag = f"{server}-{prompt_set.name}-c{c}"
-            specd = server in ("specd", SPEC_OFF)
-            steps_before = step_counts(url) if specd else None
-            served = run_client(args.vllm_python, url, name, model, prompt_set, dataset, c,
+            tag = f"{label}-{prompt_set.name}-c{c}"
+            specd = label in ("specd", SPEC_OFF)
+            steps_before = step_counts(server.url) if specd else None
+            served = run_client(args.vllm_python, server, name, model, prompt_set, dataset, c,
                                 num_prompts(args, c), work, tag)  # fmt: skip
             load = os.getloadavg()[0]  # others' work on a shared machine shows here
-            print(f"  {tag}: {served.output_tok_s:.1f} tok/s, load average {load:.1f}", flush=True)
+            print(f"  {tag}: {served.output_tok_s:.1f} tok/s, load average {load:.1f}, "
+                  f"{_cores(served)}", flush=True)  # fmt: skip
             if specd:
-                print(f"    {speculation_summary(url)}", flush=True)
-                print(f"    {summarize_steps(steps_before, step_counts(url))}", flush=True)
-            rows.append(Row(server, prompt_set.name, c, served))
+                print(f"    {speculation_summary(server.url)}", flush=True)
+                print(f"    {summarize_steps(steps_before, step_counts(server.url))}", flush=True)
+            rows.append(Row(label, prompt_set.name, c, served))
     return rows
 
 
@@ -495,6 +539,7 @@ class InProcess:
 
     batch_tok_s: float  # a closed batch: ``concurrency`` prompts at once, ending together
     load_tok_s: float  # the client's load: every prompt, ``concurrency`` in flight
+    load_cores: float  # cores the engine's process used under that load (median run)
 
 
 def in_process_tok_s(
@@ -508,25 +553,31 @@ def in_process_tok_s(
     and the same load as the client's (every prompt, ``concurrency`` in flight, the next
     one starting as one ends: arrivals one by one, prompts read beside running decodes).
     Medians of ``repeats`` after an untimed batch (a first batch of a new size runs
-    slower, as it does in the server)."""
+    slower, as it does in the server), with the cores the worker's process used under
+    the client's load."""
     from bench_engine import Worker
 
     largest = max(c for _, c in loads)
     worker = Worker("specd", sys.executable, str(model), "float32", largest,
                     spec=json.dumps(spec_fields))  # fmt: skip
 
-    def tok_s(prompts: list[list[int]], in_flight: int | None) -> float:
-        seconds = [worker.run(prompts, OUTPUT_TOKENS, in_flight)["seconds"] for _ in range(repeats)]
-        return len(prompts) * OUTPUT_TOKENS / statistics.median(seconds)
+    def timed(prompts: list[list[int]], in_flight: int | None) -> tuple[float, float]:
+        """(output tok/s, cores) of the median run."""
+        runs = []
+        for _ in range(repeats):
+            cpu = tree_cpu_seconds(worker.proc.pid)
+            seconds = worker.run(prompts, OUTPUT_TOKENS, in_flight)["seconds"]
+            runs.append((seconds, (tree_cpu_seconds(worker.proc.pid) - cpu) / seconds))
+        seconds, cores = sorted(runs)[len(runs) // 2]
+        return len(prompts) * OUTPUT_TOKENS / seconds, cores
 
     try:
         rates = {}
         for (name, concurrency), prompts in loads.items():
             batch = prompts[:concurrency]
             worker.run(batch, OUTPUT_TOKENS)
-            rates[name, concurrency] = InProcess(
-                batch_tok_s=tok_s(batch, None), load_tok_s=tok_s(prompts, concurrency)
-            )
+            batch_tok_s, _ = timed(batch, None)
+            rates[name, concurrency] = InProcess(batch_tok_s, *timed(prompts, concurrency))
         return rates
     finally:
         worker.close()
@@ -582,6 +633,55 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {server} | {r.prompt_set} | {r.concurrency} | {s.output_tok_s:.1f} | {inproc} "
             f"| {kept} | {versus} | {_ms(s.ttft_ms)} | {_ms(s.tpot_ms)} | {_ms(s.itl_ms)} |"
+        )
+    return "\n".join(lines)
+
+
+def _cores(served: Served) -> str:
+    if served.client_cores is None:
+        return "cores not measured"
+    return f"cores: server {served.server_cores:.2f}, client {served.client_cores:.2f}"
+
+
+def kept_bound(cpus: int, client_cores: float, engine_cores: float) -> float:
+    """The most of its in-process rate a server can keep when its engine alone used
+    ``engine_cores`` and the client beside it takes ``client_cores`` of ``cpus``: the
+    cores left to the whole server over those the engine needs (at most 1).  The
+    server's own path (HTTP, Ray) would lower it further."""
+    return min(1.0, max(cpus - client_cores, 0.0) / max(engine_cores, 1e-9))
+
+
+def _per_token_ms(cores: float | None, tok_s: float | None) -> float | None:
+    return 1e3 * cores / tok_s if cores and tok_s else None
+
+
+def cores_table(rows: list[Row], cpus: int | None = None) -> str:
+    """Where the machine's cores went in each served run: the client's and the server's
+    cores (specd's engine actors apart), and for specd the engine's CPU per output
+    token served against in-process under the same load, the share served /
+    in-process and its bound with this client on this machine (`kept_bound`)."""
+    cpus = cpus or os.cpu_count()
+    lines = [
+        f"where the {cpus} cores went while each server was busy (from /proc):",
+        "| server | set | conc | client cores | server cores (engine actors) "
+        "| engine CPU ms per token, served / in-process | served / in-process, same load "
+        "| bound with this client |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        s = r.served
+        if s.client_cores is None:
+            continue
+        engine = r.in_process_load_cores
+        bound = f"{kept_bound(cpus, s.client_cores, engine):.2f}" if engine else "—"
+        actors = f" ({s.engine_cores:.2f})" if s.engine_cores is not None else ""
+        served_ms = _per_token_ms(s.engine_cores, s.output_tok_s)
+        alone_ms = _per_token_ms(engine, r.in_process_load_tok_s)
+        per_token = f"{served_ms:.2f} / {alone_ms:.2f}" if served_ms and alone_ms else "—"
+        lines.append(
+            f"| {r.server} | {r.prompt_set} | {r.concurrency} | {s.client_cores:.2f} "
+            f"| {s.server_cores:.2f}{actors} | {per_token} "
+            f"| {_kept(s.output_tok_s, r.in_process_load_tok_s)} | {bound} |"
         )
     return "\n".join(lines)
 
@@ -646,19 +746,21 @@ def compare(args, work: Path) -> list[Row]:
                 rates[mode] = in_process_tok_s(
                     model, engine_fields(docs[mode]), loads, args.repeats
                 )
-            with specd_server(spec_files[mode], docs[mode], work / f"state-{mode}-{round_}") as url:
-                served = serve_sets(args, label, url, name, model, sets, work)
+            state = work / f"state-{mode}-{round_}"
+            with specd_server(spec_files[mode], docs[mode], state) as server:
+                served = serve_sets(args, label, server, name, model, sets, work)
             for r in served:
                 alone = rates[mode][r.prompt_set, r.concurrency]
                 rows.append(dataclasses.replace(
                     r, in_process_tok_s=alone.batch_tok_s, in_process_load_tok_s=alone.load_tok_s,
-                    round=round_,
+                    in_process_load_cores=alone.load_cores, round=round_,
                 ))  # fmt: skip
     if "vllm" in args.servers:
         with vllm_server(args.vllm_python, model, name, max(args.concurrency),
-                         work / "vllm-serve.log") as url:  # fmt: skip
-            rows += serve_sets(args, "vllm", url, name, model, sets, work)
+                         work / "vllm-serve.log") as server:  # fmt: skip
+            rows += serve_sets(args, "vllm", server, name, model, sets, work)
     print(table(rows))
+    print(cores_table(rows))
     print(speculation_ratios(rows))
     return rows
 
@@ -745,8 +847,9 @@ def capacity(args, work: Path) -> list[Row]:
           f"{doc['spec']['resources']['cpu']}, scheduler.streamInterval "
           f"{doc['spec']['scheduler']['streamInterval']}, {OUTPUT_TOKENS} output tokens",
           flush=True)  # fmt: skip
-    with specd_server(spec_file, doc, work / "state", capacity_env(args.capacity_model)) as url:
-        rows = serve_sets(args, "specd", url, "tiny", model, sets, work)
+    env = capacity_env(args.capacity_model)
+    with specd_server(spec_file, doc, work / "state", env) as server:
+        rows = serve_sets(args, "specd", server, "tiny", model, sets, work)
     print(capacity_table(rows))
     return rows
 

@@ -41,11 +41,11 @@ import time
 from pathlib import Path
 
 import httpx
+from proc_cpu import cpu_seconds, specd_roles
 
 from specd.devtools.testing import stalled_stream
 from specd.workers.bench_knobs import BenchKnobs
 
-TICKS = os.sysconf("SC_CLK_TCK")
 TINY_SPEC = """\
 apiVersion: specd.dev/v1alpha1
 kind: SpecDecodeDeployment
@@ -58,38 +58,6 @@ spec:
   kvCache: {{pageSize: 16, maxTokens: 65536}}
   maxRunningRequests: 256
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def processes(root: int) -> dict[str, list[int]]:
-    """The gateway ``root`` (a `specd serve`), its engine actors and the rest of its Ray
-    (every process under it), by role."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[1])
-    roles: dict[str, list[int]] = {"gateway": [root], "engine": [], "ray": []}
-    for pid in parents:
-        up = pid
-        while up in parents and up not in (root, 0, 1):
-            up = parents[up]
-        if up != root or pid == root:
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        roles["engine" if cmd.startswith("ray::EngineActor") else "ray"].append(pid)
-    return roles
 
 
 def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
@@ -299,7 +267,7 @@ def main() -> None:
                 "CPU ms per streamed token: gateway engine ray client"
             )
             for concurrency in args.concurrency:
-                roles = processes(proc.pid)
+                roles = specd_roles(proc.pid)
                 spies = []
                 if args.py_spy:
                     args.py_spy.mkdir(parents=True, exist_ok=True)

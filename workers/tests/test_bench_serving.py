@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +171,7 @@ def test_in_process_runs_a_closed_batch_and_the_clients_own_load(bench, monkeypa
     assert calls == [(2, None), (2, None), (2, None), (6, 2), (6, 2)]
     alone = rates["code", 2]
     assert alone.batch_tok_s > 0 and alone.load_tok_s > 0
+    assert 0 < alone.load_cores <= os.cpu_count() + 0.5  # the worker's process, measured
 
 
 def test_vllm_launcher_tolerates_the_cpu_wheels_name(bench, tmp_path):
@@ -368,3 +370,75 @@ def test_rounds_must_be_positive(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--rounds", "0", "--vllm-python", sys.executable])
     assert "--rounds must be at least 1, not 0" in capsys.readouterr().err
+
+
+BUSY = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass\n"
+
+
+def test_core_sampler_measures_a_busy_tree_and_its_window(bench, tmp_path):
+    """A parent that sleeps around its child's 1.2 s spin, and an idle process: over
+    the window in which the parent's tree was busy, the tree used about one core, the
+    idle one none, and the window is about the child's run (not the sleeps around it)."""
+    import proc_cpu
+
+    parent_code = (
+        "import subprocess, sys, time\ntime.sleep(1.0)\n"
+        f"subprocess.run([sys.executable, '-c', {BUSY.format(s=1.2)!r}])\ntime.sleep(0.8)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    time.sleep(0.4)  # both interpreters started: the parent now sleeps
+    try:
+        sampler = proc_cpu.CoreSampler({"busy": parent.pid, "idle": idle.pid}, 0.1).start()
+        parent.wait(timeout=30)
+        sampler.stop()
+    finally:
+        idle.kill()
+    cores = sampler.cores(busy="busy")
+    assert cores is not None
+    assert 0.6 < cores.cores["busy"] <= 1.1, cores
+    assert cores.cores["idle"] < 0.05, cores
+    assert 0.9 < cores.seconds < 1.8, cores  # the spin, not the sleeps around it
+    assert sampler.cores(busy="idle") is None
+
+
+def test_descendants_finds_grandchildren(bench):
+    import proc_cpu
+
+    code = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time; time.sleep(3)'])"
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(50):
+            found = proc_cpu.descendants(parent.pid)
+            if len(found) == 2:
+                break
+            time.sleep(0.1)
+        assert found[0] == parent.pid and len(found) == 2
+        assert proc_cpu.parents()[found[1]] == parent.pid
+    finally:
+        for pid in reversed(proc_cpu.descendants(parent.pid)):
+            os.kill(pid, 9)
+        parent.wait()
+
+
+def test_kept_bound_and_cores_table(bench):
+    """The bound is the cores a client leaves over those the engine used alone: a
+    client on half a core of 2 leaves 1.5 of an engine's 1.9 (0.79); one that leaves
+    more than the engine needs bounds nothing."""
+    assert bench.kept_bound(2, 0.5, 1.9) == pytest.approx(1.5 / 1.9)
+    assert bench.kept_bound(16, 1.0, 4.0) == 1.0
+    assert bench.kept_bound(2, 3.0, 1.0) == 0.0
+
+    def row(server, client, engine, actors=None):
+        served = bench.Served(
+            600.0, (1.0, 2.0), (3.0, 4.0), (5.0, 6.0), 128, 8192, client, 1.4 if client else None,
+            actors,
+        )  # fmt: skip
+        return bench.Row(server, "code", 32, served, 1000.0, 800.0, engine)
+
+    rows = [row("specd", 0.5, 1.9, 1.2), row("vllm", 0.4, None), row("x", None, 1)]
+    lines = bench.cores_table(rows, 2).splitlines()
+    assert "2 cores" in lines[0] and len(lines) == 5  # the row without cores is left out
+    # engine ms per token: 1.2 cores / 600 tok/s served, 1.9 / 800 alone
+    assert lines[3] == "| specd | code | 32 | 0.50 | 1.40 (1.20) | 2.00 / 2.38 | 0.75 | 0.79 |"
+    assert lines[4] == "| vllm | code | 32 | 0.40 | 1.40 | — | 0.75 | — |"
