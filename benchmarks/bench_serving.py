@@ -40,8 +40,9 @@ the server was busy, and specd's in-process worker is measured the same way unde
 client's load.  A second table prints the client's cores, the server's, the engine's
 in-process cores, served / in-process under the same load, and its bound where the
 client shares the machine (``kept_bound``: the cores the client leaves over those the
-engine used alone).  On a 2-core machine the client alone can hold served / in-process
-well under 1 whatever the server does.
+engine used alone): how much of a shortfall the client beside the server explains (on
+the 2-core VM it took under a tenth of a core, so little of it; its start-up, about
+13 s of CPU importing vLLM, falls outside the window).
 
 ``--capacity``: a tiny random checkpoint (``specd.devtools.tiny_checkpoint``, context
 256) served by specd alone at concurrency 64 and 256: streamed tokens/s and ITL when
@@ -291,7 +292,7 @@ def served_spec_copy(
 @contextlib.contextmanager
 def specd_server(
     spec_file: Path, doc: dict, state_dir: Path, env: dict[str, str] | None = None
-) -> Iterator[str]:
+) -> Iterator[Server]:
     """``specd serve`` as a user runs it (``env`` added to its environment), yielding
     it as a `Server`; stopped with SIGINT."""
     from specd.devtools.testing import specd_serve
