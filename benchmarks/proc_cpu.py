@@ -53,16 +53,6 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def tree_cpu_seconds(root: int) -> float:
-    """CPU seconds of ``root`` and the processes under it now (those that ended are not
-    counted: sample often where children come and go)."""
-    total = 0.0
-    for pid in descendants(root):
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(pid)
-    return total
-
-
 def pids_cpu_seconds(pids: list[int]) -> float:
     """CPU seconds of ``pids`` (those gone are not counted)."""
     total = 0.0
@@ -70,6 +60,12 @@ def pids_cpu_seconds(pids: list[int]) -> float:
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
     return total
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of ``root`` and the processes under it now (those that ended are not
+    counted: sample often where children come and go)."""
+    return pids_cpu_seconds(descendants(root))
 
 
 def specd_roles(root: int) -> dict[str, list[int]]:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import httpx
-from proc_cpu import cpu_seconds, specd_roles
+from proc_cpu import cpu_seconds, pids_cpu_seconds, specd_roles
 
 from specd.devtools.testing import stalled_stream
 from specd.workers.bench_knobs import BenchKnobs
@@ -61,13 +61,7 @@ spec:
 
 
 def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
-    out = {}
-    for role, pids in roles.items():
-        total = 0.0
-        for pid in pids:
-            with contextlib.suppress(OSError):  # gone meanwhile
-                total += cpu_seconds(pid)
-        out[role] = total
+    out = {role: pids_cpu_seconds(pids) for role, pids in roles.items()}
     out["client"] = cpu_seconds(os.getpid())
     return out
 
