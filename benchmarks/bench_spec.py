@@ -3,7 +3,8 @@
 ``specd-chain`` and ``specd-tree`` run the default policy (the cost model picks
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
-``specd-ngram-*`` and ``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt
+``specd-chain-steps`` is the chain with ``policy.costModel.chooseSteps`` (the cost model
+may also run it shorter, per batch size).  ``specd-ngram-*`` and ``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt
 lookup, no draft model; the peer of ``transformers-pld``) and SUFFIX drafting (which also
 proposes the replica's earlier outputs: the untimed warm-up run fills its cache, as a
 workload that repeats itself would).
@@ -64,10 +65,13 @@ def spec_fields(
     cost_model: bool = True,
     token_map: str | None = None,
     draft_dtype: str = "auto",
+    choose_steps: bool = False,
 ) -> str:
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
     if not cost_model:  # always speculate: the policy before the cost model
         speculative["policy"] = {"costModel": {"enabled": False}}
+    elif choose_steps:  # a chain may also run shorter, per batch size
+        speculative["policy"] = {"costModel": {"chooseSteps": True}}
     drafted = (
         {"algorithm": draft}
         if draft in ("NGRAM", "SUFFIX")
@@ -199,7 +203,11 @@ def main(argv=None):
         Worker("specd", py, args.target, "float32", max_batch, spec=plain),
         Worker("specd", py, args.target, "float32", max_batch, "specd-chain", chain),
         Worker("specd", py, args.target, "float32", max_batch, "specd-tree", tree),
-    ]
+        Worker(
+            "specd", py, args.target, "float32", max_batch, "specd-chain-steps",
+            eagle_fields(*chain_shape, choose_steps=True),
+        ),
+    ]  # fmt: skip
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):
         always = eagle_fields(*shape, cost_model=False)
         workers.append(Worker("specd", py, args.target, "float32", max_batch, name, always))

@@ -30,13 +30,16 @@ from specd.workers.engine.executors import spec_graph_rungs
 from specd.workers.rung import PLAIN, PlainReason, Rung
 from specd.workers.speculative.adaptive import SpecPolicy
 from specd.workers.speculative.cost_model import (
+    ACCEPTANCE_BATCH,
     COST_WINDOW,
     MIN_SAMPLES,
     SHORT_BACKLOG,
     SWITCH_MARGIN,
+    ChainAcceptance,
     CostModel,
     StepCost,
     batch_bucket,
+    ratio_on_line,
     tokens_per_verify,
     typical,
     winner_and_loser,
@@ -451,6 +454,195 @@ def test_policy_cost_model_and_its_override():
 def test_bad_cost_model_settings_name_the_field(policy, message):
     with pytest.raises(ConfigError, match=message):
         spec_for_model("t", draft={"path": "d"}, speculative={"policy": policy})
+
+
+# -- chain lengths (costModel.chooseSteps) ----------------------------------------------
+FIVE = Rung(5, 1, 6)
+# accepted drafts of ten requests of a five-step chain: P(accepted >= j) = .9 .8 .5 .4 .3
+DEPTHS = [0, 1, 2, 2, 2, 3, 4, 5, 5, 5]
+SHARES = (0.9, 0.8, 0.5, 0.4, 0.3)
+
+
+def chain(steps: int) -> Rung:
+    return Rung(steps, 1, steps + 1)
+
+
+def test_chain_acceptance_predicts_every_shorter_chain():
+    """A chain's verifies give P(accepted >= j) per depth; a chain of s steps accepts the
+    sum of the first s; a shorter chain's verifies (censored at its length) move only
+    its own depths."""
+    acceptance = ChainAcceptance(alpha=0.2)
+    assert acceptance.accepted(1) is None
+    acceptance.add(DEPTHS[:4], 5)  # half a batch's weight: not known yet
+    assert acceptance.accepted(5) is None
+    acceptance = ChainAcceptance(alpha=0.2)
+    acceptance.add(DEPTHS, 5)
+    assert acceptance.shares() == pytest.approx(SHARES)
+    for steps in range(1, 6):
+        assert acceptance.accepted(steps) == pytest.approx(sum(SHARES[:steps]))
+    # the chain's mean, as one EMA of the accepted drafts has it
+    assert acceptance.accepted(5) == pytest.approx(sum(DEPTHS) / len(DEPTHS))
+    acceptance.add([0] * ACCEPTANCE_BATCH, 1)  # a one-step chain that accepted nothing
+    assert acceptance.shares()[0] == pytest.approx(0.9 / 2)  # the mean of its first two
+    assert acceptance.shares()[1:] == pytest.approx(SHARES[1:])
+
+
+def test_ratio_on_line_interpolates_and_extends_the_last_segment():
+    points = [(0, 1.0), (2, 2.0), (5, 3.5)]
+    assert ratio_on_line(points, 1) == pytest.approx(1.5)
+    assert ratio_on_line(points, 2) == pytest.approx(2.0)
+    assert ratio_on_line(points, 4) == pytest.approx(3.0)
+    assert ratio_on_line(points, 7) == pytest.approx(4.5)
+    assert ratio_on_line([(0, 1.0), (5, 2.0)], 3) == pytest.approx(1.6)
+
+
+def chain_costs(fixed: float):
+    """Seconds of a step: ``fixed`` once, per request 0.5 ms of its own (host, sampling)
+    and 0.4 ms per token it verifies, so a verify's cost per request grows linearly with
+    the chain's steps while the fixed part is shared by the batch."""
+
+    def costs(size, rung):
+        return fixed + size * (0.0005 + 0.0004 * rung.draft_tokens)
+
+    return costs
+
+
+def best_chain(size: int, costs) -> int:
+    """The steps (0: plain) that make the most tokens per second at ``size``."""
+
+    def rate(steps):
+        return size * (1 + sum(SHARES[:steps])) / costs(size, chain(steps) if steps else PLAIN)
+
+    return max(range(6), key=rate)
+
+
+def drive_depths(model: CostModel, size: int, costs, turn: int) -> Rung:
+    """One decision for a batch of ``size`` offered the five-step chain and its
+    observation: request i accepts ``DEPTHS[turn + i]`` drafts, cut at the chain run."""
+    chosen, _ = model.choose(size, FIVE)
+    accepted = [min(DEPTHS[(turn + i) % len(DEPTHS)], chosen.steps) for i in range(size)]
+    model.observe(size, chosen, costs(size, chosen), accepted)
+    return chosen
+
+
+@pytest.mark.parametrize("fixed", [0.020, 0.005], ids=["fixed-20ms", "fixed-5ms"])
+def test_each_batch_size_runs_the_chain_length_its_costs_say(fixed):
+    """One configured five-step chain, chooseSteps on: where a step's fixed part
+    dominates (batch 1) the whole chain runs; at a batch of 30, where each verified token
+    costs, a shorter chain makes more tokens per second, and the bucket settles on the
+    length the costs say, having measured only the chains it ran."""
+    costs = chain_costs(fixed)
+    model = CostModel(CostModelSpec(chooseSteps=True), fixed_width=True, chain_steps=True)
+    for size in (10, 30, 1):  # acceptance is the chain's, whatever the batch
+        runs = [drive_depths(model, size, costs, turn) for turn in range(40)]
+        assert runs[-1].steps == best_chain(size, costs), (size, model.status())
+    assert best_chain(1, costs) == 5 and 0 < best_chain(30, costs) < 5
+    status = model.status()
+    assert status["chain_acceptance"] == pytest.approx(SHARES, abs=0.05)
+    bucket = next(b for b in status["buckets"] if b["max_batch"] == 32)
+    assert bucket["chain_steps"] == best_chain(30, costs) == bucket["best_steps"]
+    measured = {r["steps"] for r in bucket["rungs"]}
+    assert {0, 5, best_chain(30, costs)} <= measured and len(measured) < 6
+
+
+def test_without_choose_steps_the_chain_is_weighed_alone():
+    model = CostModel(CostModelSpec(), fixed_width=True)
+    assert model.chain_candidates(FIVE) == [FIVE]
+    costs = chain_costs(0.005)
+    runs = [drive_depths(model, 30, costs, turn) for turn in range(40)]
+    assert {r.steps for r in runs} <= {0, 5}
+    assert model.status()["chain_acceptance"] == []
+
+
+def test_choose_steps_reaches_chains_of_a_draft_model_only():
+    def policy_for(draft, **speculative):
+        spec = spec_for_model(
+            "t",
+            draft=draft,
+            speculative={"numSteps": 5, "numDraftTokens": 6, **speculative,
+                         "policy": {"costModel": {"chooseSteps": True}}},
+        )  # fmt: skip
+        draft_free = draft["algorithm"] in ("NGRAM", "SUFFIX")
+        return SpecPolicy(spec.speculative, draft_free=draft_free), spec.speculative
+
+    policy, speculative = policy_for({"path": "d", "algorithm": "EAGLE"})
+    assert policy.cost_model.chain_candidates(FIVE) == [chain(s) for s in range(1, 6)]
+    assert set(spec_graph_rungs(speculative, policy)) == {PLAIN, *map(chain, range(1, 6))}
+    tree = Rung(5, 4, 8)
+    assert policy.cost_model.chain_candidates(tree) == [tree]  # a tree keeps its shape
+    for draft, extra in (
+        ({"algorithm": "NGRAM"}, {}),
+        ({"algorithm": "SUFFIX"}, {}),
+        ({"path": "d", "algorithm": "EAGLE"}, {"suffix": {}}),  # hybrid
+    ):
+        policy, speculative = policy_for(draft, **extra)
+        assert policy.cost_model.chain_candidates(FIVE) == [FIVE], draft
+    assert (
+        spec_for_model(
+            "t", draft={"path": "d"}, speculative={}
+        ).speculative.policy.cost_model.choose_steps
+        is False
+    )
+
+
+def adaptive_policy(choose_steps: bool) -> SpecPolicy:
+    """A five-step chain on an adaptive ladder of 3 and 5 steps, the cost model on."""
+    spec = spec_for_model(
+        "t",
+        draft={"path": "d"},
+        speculative={
+            "numSteps": 5, "numDraftTokens": 6,
+            "adaptive": {"enabled": True, "candidateSteps": [3, 5], "warmupBatches": 0},
+            "policy": {"costModel": {"chooseSteps": choose_steps}},
+        },
+    )  # fmt: skip
+    return SpecPolicy(spec.speculative)
+
+
+def test_the_adaptive_controller_ignores_a_shortened_chain():
+    """A one-step chain the cost model ran in place of the active five-step rung accepts
+    a larger share of its steps: the ladder's controller must not read it.  Without
+    chooseSteps a shorter chain is a ladder rung's (a batch scheduled before a move)."""
+    policy = adaptive_policy(choose_steps=True)
+    assert policy.shortened(chain(1)) and not policy.shortened(FIVE)
+    policy.observe(chain(1), None, [1] * 8, 0.01, 8)
+    assert policy.controller.batches == 0
+    policy.observe(FIVE, None, [1] * 8, 0.01, 8)
+    assert policy.controller.batches == 1
+    policy = adaptive_policy(choose_steps=False)
+    policy.observe(chain(3), None, [1] * 8, 0.01, 8)
+    assert not policy.shortened(chain(3)) and policy.controller.batches == 1
+
+
+def test_an_engine_choosing_chain_lengths_stays_exact():
+    """The shipped pair with chooseSteps: its cost model starts from costs that make a
+    one-step chain the fastest at every size, so the first verifies run shortened, then
+    the engine's own timings decide; every output equals transformers' greedy, with
+    strict leak checks."""
+    prompts = demo_prompts(6)
+    expected = hf_greedy(DEMO_TARGET, prompts, MAX_NEW)
+    engine = start_spec_engine(
+        DEMO_TARGET,
+        DEMO_EAGLE,
+        steps=4,
+        policy={"costModel": {"chooseSteps": True, "calibrationBatchSizes": []}},
+    )
+    costs = chain_costs(0.0)  # per request only: the shortest chain wins at any size
+
+    def seed():
+        model = engine.spec_policy.cost_model
+        for size in range(1, 7):
+            for rung in (chain(4), chain(1), PLAIN):
+                for _ in range(3):
+                    model.observe(size, rung, costs(size, rung), [1] * size)
+
+    async def seeded():
+        await engine._on_loop(seed)  # between the engine's steps, on its thread
+
+    asyncio.run(seeded())
+    check_exact_run(engine, prompts, expected, MAX_NEW)  # shuts the engine down
+    assert metric_value(engine, "specd_spec_cost_seconds_per_request", steps="1") > 0
+    assert engine.status().adaptive.cost_model.chain_acceptance
 
 
 # -- engines --------------------------------------------------------------------------

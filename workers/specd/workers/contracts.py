@@ -105,6 +105,8 @@ class CostBucket(_Contract):
     decisions: int  # made on measurements (explorations not counted)
     best_steps: int | None  # the last decision's winner (0 = plain)
     rungs: tuple[RungCost, ...]
+    # the chain length weighed against plain (costModel.chooseSteps); None: the rung's own
+    chain_steps: int | None = None
 
 
 class RungAcceptance(_Contract):
@@ -130,6 +132,8 @@ class CostModelStatus(_Contract):
     catch_up_seconds_per_token: float | None  # the draft reading deferred tokens
     accepted_drafts: tuple[RungAcceptance, ...]
     buckets: tuple[CostBucket, ...]
+    # a chain's P(accepted >= j), j = 1, 2, ... (costModel.chooseSteps; None: not known)
+    chain_acceptance: tuple[float | None, ...] = ()
 
 
 class AdaptiveStatus(_Contract):

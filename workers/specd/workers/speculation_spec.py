@@ -146,6 +146,12 @@ class CostModelSpec(SpecModel):
         le=100_000,
         description="Decisions per batch-size bucket between re-runs of the losing choice",
     )
+    choose_steps: bool = Field(
+        False,
+        description="A chain (topk 1) drafted by a model: also weigh each shorter chain "
+        "(1 to numSteps draft steps) per batch-size bucket and run the fastest; a "
+        "shorter chain's acceptance follows from the chain's own (its first drafts)",
+    )
     calibration_batch_sizes: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
         [1, 8, 32],
         max_length=8,

@@ -504,7 +504,7 @@ def build_executor(
         overlap,
         decoder=spec_decoder,
         policy=models.spec_policy,
-        graph_rungs=spec_graph_rungs(spec.speculative),
+        graph_rungs=spec_graph_rungs(spec.speculative, models.spec_policy),
         metrics=metrics,
     )
 

@@ -37,6 +37,15 @@ from specd.workers.rung import PLAIN, PlainReason, Rung
 from specd.workers.speculative.cost_model import CostModel, Ema, with_reason
 
 
+def chooses_chain_steps(speculative, draft_free: bool) -> bool:
+    """Whether the cost model weighs shorter chains (``costModel.chooseSteps``): a
+    draft model's chains, not a draft-free drafter's (ragged proposals) or a hybrid's
+    (suffix trees beside the chain)."""
+    return (
+        speculative.policy.cost_model.choose_steps and not draft_free and speculative.suffix is None
+    )
+
+
 class AdaptiveController:
     """Moves the active rung along ``ladder`` (narrowest first) by measured acceptance.
 
@@ -117,7 +126,12 @@ class SpecPolicy:
         policy = speculative.policy
         self.max_batch_for_spec = policy.max_batch_for_spec
         self.cost_model = (
-            CostModel(policy.cost_model, per_request=draft_free, fixed_width=not draft_free)
+            CostModel(
+                policy.cost_model,
+                per_request=draft_free,
+                fixed_width=not draft_free,
+                chain_steps=chooses_chain_steps(speculative, draft_free),
+            )
             if policy.uses_cost_model
             else None
         )
@@ -177,8 +191,18 @@ class SpecPolicy:
             return
         if self.cost_model is not None:
             self.cost_model.observe(batch_size, rung, seconds, accepted, rids)
-        if self.controller is not None and plain_reason in (None, PlainReason.RUNG):
+        for_ladder = plain_reason in (None, PlainReason.RUNG) and not self.shortened(rung)
+        if self.controller is not None and for_ladder:
             self.controller.observe(rung, accepted)
+
+    def shortened(self, rung: Rung) -> bool:
+        """Whether ``rung`` is a shorter chain the cost model chose in place of the
+        active one (``CostModel.choose_chain``): its acceptance per step is higher than
+        the active rung's, so the adaptive controller must not read it as the ladder's."""
+        if self.cost_model is None or not self.cost_model.chooses_steps:
+            return False
+        active = self.active
+        return rung.topk == 1 and active.topk == 1 and 0 < rung.steps < active.steps
 
     def observe_shadow(
         self, rung: Rung, accepted: Sequence[int], rids: Sequence[str | None]

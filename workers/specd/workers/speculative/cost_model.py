@@ -51,6 +51,16 @@ Buckets are narrow (the sizes in one are within a quarter of each other) because
 step's cost per request falls with the batch while its fixed part is shared: costs of
 the two candidates measured at sizes far apart would compare badly.
 
+A chain drafted by a model (topk 1) has more candidates than itself: each shorter chain
+(``chooseSteps``, ``choose_chain``).  Its drafts are the chain's first ones, so the
+chain's own verifies say how often a request accepts its first j drafts
+(``ChainAcceptance``: P(accepted >= j) per depth j), and a chain of s steps accepts the
+sum of the first s of those.  A shorter chain's cost per request, until the bucket measured
+it, lies on the line through the measured ones (as ratios to plain's; plain is the chain
+of 0 steps).  On a CPU whose batch of 32 is compute-bound the shortest chains make the
+most tokens per second there, while batch 1 keeps the longest: one configured chain,
+the right length per batch.
+
 Costs measured far apart in time compare badly too: a step gets slower as its requests'
 contexts grow (attention reads more KV), and the loser is measured only now and then.
 So the model also keeps, per bucket and speculating rung, the ratio of its step cost to
@@ -62,6 +72,7 @@ share (all 32 requests of a batch at twice the context) then cannot flip the dec
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -171,6 +182,7 @@ class Bucket:
     interval: int = 0  # decisions between the loser's reruns (0: reexploreEvery)
     steps: int = 0  # observed so far
     rival: Rung | None = None  # the speculating rung the last decision weighed plain against
+    chain: Rung | None = None  # the chain length the last decision chose (``choose_chain``)
     # speculating rung -> its step cost / plain's, from samples taken close together
     ratios: dict[Rung, deque] = field(default_factory=dict)
 
@@ -236,6 +248,53 @@ def acceptance_known(ema: Ema | None) -> bool:
     return ema is not None and ema.weight >= 1.0
 
 
+@dataclass(slots=True)
+class ChainAcceptance:
+    """How deep a chain's drafts are accepted: per depth j, an EMA (``Ema``) of the share
+    of a verify's requests that accepted at least j drafts, from verifies at any chain
+    length of j steps or more.  A chain's drafts do not depend on how many steps it
+    drafts, so a chain of s steps accepts E[min(accepted, s)], the sum of the first s
+    shares (``accepted``): the longest chain's verifies predict every shorter one."""
+
+    alpha: float
+    depths: list[Ema] = field(default_factory=list)  # depth j at [j - 1]
+
+    def add(self, accepted: Sequence[int], steps: int) -> None:
+        """One verify at a chain of ``steps``: its requests' accepted drafts, weighed as
+        the rung's estimate is (a full weight from ``ACCEPTANCE_BATCH`` requests)."""
+        if not accepted:
+            return
+        while len(self.depths) < steps:
+            self.depths.append(Ema(self.alpha))
+        weight = min(len(accepted) / ACCEPTANCE_BATCH, 1.0)
+        for depth in range(1, steps + 1):
+            share = sum(n >= depth for n in accepted) / len(accepted)
+            self.depths[depth - 1].add(share, weight)
+
+    def accepted(self, steps: int) -> float | None:
+        """Accepted drafts per request of a chain of ``steps``; None until each depth up
+        to ``steps`` is known (``acceptance_known``)."""
+        known = self.depths[:steps]
+        if len(known) < steps or not all(acceptance_known(e) for e in known):
+            return None
+        return sum(e.value for e in known)
+
+    def shares(self) -> tuple[float | None, ...]:
+        """P(accepted >= j) for j = 1, 2, ... (None: not known yet)."""
+        return tuple(e.value if acceptance_known(e) else None for e in self.depths)
+
+
+def ratio_on_line(points: Sequence[tuple[int, float]], steps: int) -> float:
+    """A chain of ``steps``' cost ratio to plain on the broken line through ``points``
+    ((steps, ratio), ascending, from (0, 1.0): plain), past the last one along the last
+    segment: a verify's step time grows about linearly with its draft steps."""
+    for (s0, r0), (s1, r1) in itertools.pairwise(points):
+        if steps <= s1:
+            return r0 + (r1 - r0) * (steps - s0) / (s1 - s0)
+    (s0, r0), (s1, r1) = points[-2], points[-1]
+    return r1 + (r1 - r0) * (steps - s1) / (s1 - s0)
+
+
 def tokens_per_verify(
     accepted: float, tokens_left: Sequence[int] = (), own: Sequence[float | None] = ()
 ) -> float:
@@ -272,13 +331,21 @@ class CostModel:
 
     ``params`` is ``speculative.policy.costModel`` (``CostModelSpec``)."""
 
-    def __init__(self, params, per_request: bool = False, fixed_width: bool = False):
+    def __init__(
+        self,
+        params,
+        per_request: bool = False,
+        fixed_width: bool = False,
+        chain_steps: bool = False,
+    ):
         """``per_request``: also keep each request's own acceptance (``own_accepted``).
         ``fixed_width``: every verify of a rung has one width (a draft model's trees;
         draft-free drafters verify ragged batches), so a rung's cost is its fastest
-        recent step, as plain's always is."""
+        recent step, as plain's always is.  ``chain_steps``: a chain also weighs its
+        shorter chains (``choose_chain``; a draft model's chains, not hybrid ones)."""
         self.params = params
         self.fixed_width = fixed_width
+        self._chain = ChainAcceptance(params.ema_alpha) if chain_steps else None
         self._buckets: dict[int, Bucket] = {}  # by largest batch size
         self._accepted: dict[Rung, Ema] = {}  # speculating rung -> accepted drafts
         # rid -> (the rung, the request's own accepted drafts at it)
@@ -354,6 +421,8 @@ class CostModel:
         requests' worth of verifies measured it (``acceptance_known``)."""
         if not rung.speculates:
             return 0.0
+        if self._chain is not None and rung.topk == 1:
+            return self._chain.accepted(rung.steps)
         ema = self._accepted.get(rung)
         return ema.value if acceptance_known(ema) else None
 
@@ -412,6 +481,7 @@ class CostModel:
         kept (``own_accepted``).  Plain is ``END`` when the batch runs plain only because
         its requests are near their ends, else ``COST``."""
         bucket = batch_bucket(batch_size)
+        rung = self.choose_chain(bucket, rung)
         own = self.own_accepted(rids, rung)
         speculated = self.predicted_tokens_per_second(bucket, rung, own=own)
         plain = self.predicted_tokens_per_second(bucket, PLAIN, against=rung)
@@ -434,6 +504,46 @@ class CostModel:
         if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left, own):
             return PLAIN, PlainReason.END  # this batch only: its requests end first
         return with_reason(best)
+
+    @property
+    def chooses_steps(self) -> bool:
+        """Whether a chain also weighs its shorter chains (``chain_steps``)."""
+        return self._chain is not None
+
+    def chain_candidates(self, rung: Rung) -> list[Rung]:
+        """The speculating rungs a batch offered ``rung`` may run: every chain of 1 to
+        its steps where ``chain_steps`` holds and it is a chain, else ``rung`` alone."""
+        if self._chain is None or rung.topk != 1 or not rung.speculates:
+            return [rung]
+        return [Rung(steps, 1, steps + 1) for steps in range(1, rung.steps + 1)]
+
+    def choose_chain(self, bucket: int, rung: Rung) -> Rung:
+        """The chain length (``chain_candidates``) that ``bucket`` predicts the most
+        tokens per second from, to weigh against plain: accepted drafts from
+        ``ChainAcceptance``, cost ratios to plain measured (``costs``) or on the line
+        through the measured ones (``ratio_on_line``).  ``rung`` itself until some chain
+        is measured here or around and every depth's acceptance is known; the last
+        choice stays unless another is ``SWITCH_MARGIN`` ahead."""
+        candidates = self.chain_candidates(rung)
+        if len(candidates) == 1:
+            return rung
+        accepted = {c: self.accepted_drafts(c) for c in candidates}
+        measured = {}
+        for c in candidates:
+            spec, plain = self.costs(bucket, c)
+            if spec is not None and plain is not None:
+                measured[c.steps] = spec / plain
+        if not measured or None in accepted.values():
+            return rung
+        line = [(0, 1.0), *sorted(measured.items())]
+        gains = {c: (1.0 + accepted[c]) / ratio_on_line(line, c.steps) for c in candidates}
+        state = self._buckets.setdefault(bucket, Bucket())
+        best = max(candidates, key=gains.__getitem__)
+        kept = state.chain
+        if kept in gains and gains[best] < gains[kept] * (1.0 + SWITCH_MARGIN):
+            best = kept
+        state.chain = best
+        return best
 
     def near_their_ends(
         self,
@@ -508,6 +618,8 @@ class CostModel:
             return
         ema = self._accepted.setdefault(rung, Ema(self.params.ema_alpha))
         ema.add(sum(accepted) / len(accepted), min(len(accepted) / ACCEPTANCE_BATCH, 1.0))
+        if self._chain is not None and rung.topk == 1:
+            self._chain.add(accepted, rung.steps)
         if self._own is None or not rids:
             return
         for rid, n in zip(rids, accepted, strict=True):
@@ -534,7 +646,11 @@ class CostModel:
                 for r, e in sorted(self._accepted.items(), key=lambda item: item[0].steps)
             ],
             "buckets": [self._bucket_status(b) for b in sorted(self._buckets)],
+            "chain_acceptance": self._chain_shares(),
         }
+
+    def _chain_shares(self) -> list[float | None]:
+        return [] if self._chain is None else [_rounded(p) for p in self._chain.shares()]
 
     def _bucket_status(self, bucket: int) -> dict:
         state = self._buckets[bucket]
@@ -542,6 +658,7 @@ class CostModel:
             "max_batch": bucket,
             "decisions": state.decisions,
             "best_steps": None if state.best is None else state.best.steps,
+            "chain_steps": None if state.chain is None else state.chain.steps,
             "rungs": [
                 {
                     **_rung_fields(r),
