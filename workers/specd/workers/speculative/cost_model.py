@@ -57,9 +57,9 @@ chain's own verifies say how often a request accepts its first j drafts
 (``ChainAcceptance``: P(accepted >= j) per depth j), and a chain of s steps accepts the
 sum of the first s of those.  A shorter chain's cost per request, until the bucket measured
 it, lies on the line through the measured ones (as ratios to plain's; plain is the chain
-of 0 steps).  On a CPU whose batch of 32 is compute-bound the shortest chains make the
-most tokens per second there, while batch 1 keeps the longest: one configured chain,
-the right length per batch.
+of 0 steps).  Per verify step on the 2-core VM, a batch of 32 made the most tokens per
+second with 1-2 of the demo chain's 5 steps and batches of 1 and 8 with all 5: one
+configured chain, its length per batch (docs/benchmarks.md).
 
 Costs measured far apart in time compare badly too: a step gets slower as its requests'
 contexts grow (attention reads more KV), and the loser is measured only now and then.
