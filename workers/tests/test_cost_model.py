@@ -28,18 +28,17 @@ from specd.devtools.testing import (
 from specd.workers.config import ConfigError, CostModelSpec, spec_for_model
 from specd.workers.engine.executors import spec_graph_rungs
 from specd.workers.rung import PLAIN, PlainReason, Rung
+from specd.workers.speculative.acceptance import ACCEPTANCE_BATCH, ChainAcceptance
 from specd.workers.speculative.adaptive import SpecPolicy
+from specd.workers.speculative.chain_length import ratio_on_line
 from specd.workers.speculative.cost_model import (
-    ACCEPTANCE_BATCH,
     COST_WINDOW,
     MIN_SAMPLES,
     SHORT_BACKLOG,
     SWITCH_MARGIN,
-    ChainAcceptance,
     CostModel,
     StepCost,
     batch_bucket,
-    ratio_on_line,
     tokens_per_verify,
     typical,
     winner_and_loser,

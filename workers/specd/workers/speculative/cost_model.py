@@ -51,15 +51,8 @@ Buckets are narrow (the sizes in one are within a quarter of each other) because
 step's cost per request falls with the batch while its fixed part is shared: costs of
 the two candidates measured at sizes far apart would compare badly.
 
-A chain drafted by a model (topk 1) has more candidates than itself: each shorter chain
-(``chooseSteps``, ``choose_chain``).  Its drafts are the chain's first ones, so the
-chain's own verifies say how often a request accepts its first j drafts
-(``ChainAcceptance``: P(accepted >= j) per depth j), and a chain of s steps accepts the
-sum of the first s of those.  A shorter chain's cost per request, until the bucket measured
-it, lies on the line through the measured ones (as ratios to plain's; plain is the chain
-of 0 steps).  Per verify step on the 2-core VM, a batch of 32 made the most tokens per
-second with 1-2 of the demo chain's 5 steps and batches of 1 and 8 with all 5: one
-configured chain, its length per batch (docs/benchmarks.md).
+A chain drafted by a model may also weigh each shorter chain (``chooseSteps``:
+``chain_length.py``).
 
 Costs measured far apart in time compare badly too: a step gets slower as its requests'
 contexts grow (attention reads more KV), and the loser is measured only now and then.
@@ -72,7 +65,6 @@ share (all 32 requests of a batch at twice the context) then cannot flip the dec
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -80,39 +72,24 @@ from dataclasses import dataclass, field
 
 from specd.workers.contracts import CostCalibration
 from specd.workers.rung import PLAIN, PlainReason, Rung
+from specd.workers.speculative.acceptance import (
+    ACCEPTANCE_BATCH,
+    ChainAcceptance,
+    Ema,
+    acceptance_known,
+)
+from specd.workers.speculative.chain_length import fastest_chain, shorter_chains
 
 FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
 MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
 COST_WINDOW = 3  # the newest step times whose median is the cost
 SHORT_BACKLOG = 8  # mean unread tokens per request at which a speculating rerun is cheap
-# a verify batch of this many requests or more moves the acceptance EMA by emaAlpha, a
-# smaller one by its share of that: a batch of one (a ragged end, a lone looping
-# request) must not weigh as much as a full batch
-ACCEPTANCE_BATCH = 8
 MAX_BACKOFF = 16  # reruns of a loser that keeps losing come at most this x reexploreEvery apart
 SWITCH_MARGIN = 0.05  # the lead that turns a bucket's decision from its last winner
 PAIRED_STEPS = COST_WINDOW  # a bucket's steps within which two rungs' samples form a ratio
 RATIO_WINDOW = 5  # the newest cost ratios whose median is a rung's ratio to plain
 OWN_ALPHA = 0.5  # the weight of a request's newest sample in its own acceptance
 OUTLIER_FACTOR = 1.5  # a step time this many times the window's fastest is noise (typical)
-
-
-@dataclass(slots=True)
-class Ema:
-    """An exponential moving average that starts as the plain mean: each sample moves
-    it by ``alpha`` (compounded by its ``weight``) or by its share of all the weight so
-    far, whichever is more, so the first samples are not outweighed by the seed."""
-
-    alpha: float
-    value: float | None = None
-    weight: float = 0.0  # of the samples so far
-
-    def add(self, sample: float, weight: float = 1.0) -> None:
-        """Move toward ``sample`` (a mean of ``weight`` samples moves it as they would
-        one by one, nearly)."""
-        self.weight += weight
-        step = max(1.0 - (1.0 - self.alpha) ** weight, weight / self.weight)
-        self.value = sample if self.value is None else self.value + step * (sample - self.value)
 
 
 def typical(seconds: Sequence[float]) -> float:
@@ -237,62 +214,6 @@ def winner_and_loser(
     else:
         speculates = speculated >= plain
     return (rung, PLAIN) if speculates else (PLAIN, rung)
-
-
-def acceptance_known(ema: Ema | None) -> bool:
-    """Whether an acceptance estimate has the weight of one full verify batch
-    (``ACCEPTANCE_BATCH`` requests).  At batch 1 one verify's accepted drafts range over
-    the whole tree (1 to 4 of 5 on the demo pair), and a first decision on two or three
-    of them sent speculation that wins by 1.3x to plain for a whole 64-token request (a
-    speculating loser reruns only after ``reexploreEvery`` decisions)."""
-    return ema is not None and ema.weight >= 1.0
-
-
-@dataclass(slots=True)
-class ChainAcceptance:
-    """How deep a chain's drafts are accepted: per depth j, an EMA (``Ema``) of the share
-    of a verify's requests that accepted at least j drafts, from verifies at any chain
-    length of j steps or more.  A chain's drafts do not depend on how many steps it
-    drafts, so a chain of s steps accepts E[min(accepted, s)], the sum of the first s
-    shares (``accepted``): the longest chain's verifies predict every shorter one."""
-
-    alpha: float
-    depths: list[Ema] = field(default_factory=list)  # depth j at [j - 1]
-
-    def add(self, accepted: Sequence[int], steps: int) -> None:
-        """One verify at a chain of ``steps``: its requests' accepted drafts, weighed as
-        the rung's estimate is (a full weight from ``ACCEPTANCE_BATCH`` requests)."""
-        if not accepted:
-            return
-        while len(self.depths) < steps:
-            self.depths.append(Ema(self.alpha))
-        weight = min(len(accepted) / ACCEPTANCE_BATCH, 1.0)
-        for depth in range(1, steps + 1):
-            share = sum(n >= depth for n in accepted) / len(accepted)
-            self.depths[depth - 1].add(share, weight)
-
-    def accepted(self, steps: int) -> float | None:
-        """Accepted drafts per request of a chain of ``steps``; None until each depth up
-        to ``steps`` is known (``acceptance_known``)."""
-        known = self.depths[:steps]
-        if len(known) < steps or not all(acceptance_known(e) for e in known):
-            return None
-        return sum(e.value for e in known)
-
-    def shares(self) -> tuple[float | None, ...]:
-        """P(accepted >= j) for j = 1, 2, ... (None: not known yet)."""
-        return tuple(e.value if acceptance_known(e) else None for e in self.depths)
-
-
-def ratio_on_line(points: Sequence[tuple[int, float]], steps: int) -> float:
-    """A chain of ``steps``' cost ratio to plain on the broken line through ``points``
-    ((steps, ratio), ascending, from (0, 1.0): plain), past the last one along the last
-    segment: a verify's step time grows about linearly with its draft steps."""
-    for (s0, r0), (s1, r1) in itertools.pairwise(points):
-        if steps <= s1:
-            return r0 + (r1 - r0) * (steps - s0) / (s1 - s0)
-    (s0, r0), (s1, r1) = points[-2], points[-1]
-    return r1 + (r1 - r0) * (steps - s1) / (s1 - s0)
 
 
 def tokens_per_verify(
@@ -513,9 +434,7 @@ class CostModel:
     def chain_candidates(self, rung: Rung) -> list[Rung]:
         """The speculating rungs a batch offered ``rung`` may run: every chain of 1 to
         its steps where ``chain_steps`` holds and it is a chain, else ``rung`` alone."""
-        if self._chain is None or rung.topk != 1 or not rung.speculates:
-            return [rung]
-        return [Rung(steps, 1, steps + 1) for steps in range(1, rung.steps + 1)]
+        return [rung] if self._chain is None else shorter_chains(rung)
 
     def choose_chain(self, bucket: int, rung: Rung) -> Rung:
         """The chain length (``chain_candidates``) that ``bucket`` predicts the most
@@ -535,15 +454,9 @@ class CostModel:
                 measured[c.steps] = spec / plain
         if not measured or None in accepted.values():
             return rung
-        line = [(0, 1.0), *sorted(measured.items())]
-        gains = {c: (1.0 + accepted[c]) / ratio_on_line(line, c.steps) for c in candidates}
         state = self._buckets.setdefault(bucket, Bucket())
-        best = max(candidates, key=gains.__getitem__)
-        kept = state.chain
-        if kept in gains and gains[best] < gains[kept] * (1.0 + SWITCH_MARGIN):
-            best = kept
-        state.chain = best
-        return best
+        state.chain = fastest_chain(accepted, measured, state.chain, SWITCH_MARGIN)
+        return state.chain
 
     def near_their_ends(
         self,
