@@ -506,13 +506,14 @@ def chain_costs(fixed: float):
     return costs
 
 
+def chain_rate(size: int, steps: int, costs) -> float:
+    """Tokens per second of a batch of ``size`` at a chain of ``steps`` (0: plain)."""
+    return size * (1 + sum(SHARES[:steps])) / costs(size, chain(steps) if steps else PLAIN)
+
+
 def best_chain(size: int, costs) -> int:
     """The steps (0: plain) that make the most tokens per second at ``size``."""
-
-    def rate(steps):
-        return size * (1 + sum(SHARES[:steps])) / costs(size, chain(steps) if steps else PLAIN)
-
-    return max(range(6), key=rate)
+    return max(range(6), key=lambda steps: chain_rate(size, steps, costs))
 
 
 def drive_depths(model: CostModel, size: int, costs, turn: int) -> Rung:
@@ -542,6 +543,25 @@ def test_each_batch_size_runs_the_chain_length_its_costs_say(fixed):
     assert bucket["chain_steps"] == best_chain(30, costs) == bucket["best_steps"]
     measured = {r["steps"] for r in bucket["rungs"]}
     assert {0, 5, best_chain(30, costs)} <= measured and len(measured) < 6
+
+
+def test_a_shortened_bucket_reruns_the_whole_chain_to_refresh_its_deep_drafts():
+    """The chain's first verify met requests that accepted at most one draft, so every
+    deeper share is 0 and a one-step chain wins; only the whole chain measures depths
+    2-5, so it runs again every ``reexploreEvery`` verifies, and once the real, deeper
+    acceptance shows, the bucket moves to the length the costs say."""
+    costs = chain_costs(0.020)
+    spec = CostModelSpec(chooseSteps=True, reexploreEvery=8)
+    model = CostModel(spec, fixed_width=True, chain_steps=True)
+    early = [drive(model, 10, costs, accepted=1, rung=FIVE) for _ in range(12)]
+    assert early[-1] == chain(1)  # deep drafts never accepted: the shortest chain
+    assert model.status()["chain_acceptance"][1:] == [0.0] * 4
+    runs = [drive_depths(model, 10, costs, turn) for turn in range(120)]
+    settled, best = runs[-1].steps, best_chain(10, costs)
+    assert settled > 1, model.status()  # within the switch margin of the best
+    assert chain_rate(10, settled, costs) * (1 + SWITCH_MARGIN) >= chain_rate(10, best, costs)
+    refreshes = [i for i, r in enumerate(runs[:40]) if r == FIVE]
+    assert refreshes and refreshes[0] < 8  # the first refresh came within reexploreEvery
 
 
 def test_without_choose_steps_the_chain_is_weighed_alone():

@@ -50,18 +50,29 @@ class ChainAcceptance:
 
     alpha: float
     depths: list[Ema] = field(default_factory=list)  # depth j at [j - 1]
+    verifies: int = 0  # observed so far, at any length
+    fed: list[int] = field(default_factory=list)  # per depth: ``verifies`` when it last moved
 
     def add(self, accepted: Sequence[int], steps: int) -> None:
         """One verify at a chain of ``steps``: its requests' accepted drafts, weighed as
         the rung's estimate is (a full weight from ``ACCEPTANCE_BATCH`` requests)."""
         if not accepted:
             return
+        self.verifies += 1
         while len(self.depths) < steps:
             self.depths.append(Ema(self.alpha))
+            self.fed.append(0)
         weight = min(len(accepted) / ACCEPTANCE_BATCH, 1.0)
         for depth in range(1, steps + 1):
             share = sum(n >= depth for n in accepted) / len(accepted)
             self.depths[depth - 1].add(share, weight)
+            self.fed[depth - 1] = self.verifies
+
+    def stale(self, steps: int, every: int) -> bool:
+        """Whether depth ``steps`` has not moved for ``every`` verifies: only a chain that
+        long measures it, and a bucket that settled on a shorter one no longer runs it,
+        so an early estimate (one verify of a batch that accepted little) would stand."""
+        return len(self.fed) < steps or self.verifies - self.fed[steps - 1] >= every
 
     def accepted(self, steps: int) -> float | None:
         """Accepted drafts per request of a chain of ``steps``; None until each depth up

@@ -441,8 +441,9 @@ class CostModel:
         tokens per second from, to weigh against plain: accepted drafts from
         ``ChainAcceptance``, cost ratios to plain measured (``costs``) or on the line
         through the measured ones (``ratio_on_line``).  ``rung`` itself until some chain
-        is measured here or around and every depth's acceptance is known; the last
-        choice stays unless another is ``SWITCH_MARGIN`` ahead."""
+        is measured here or around and every depth's acceptance is known, and once in
+        ``reexploreEvery`` verifies (``ChainAcceptance.stale``); the last choice stays
+        unless another is ``SWITCH_MARGIN`` ahead."""
         candidates = self.chain_candidates(rung)
         if len(candidates) == 1:
             return rung
@@ -454,6 +455,8 @@ class CostModel:
                 measured[c.steps] = spec / plain
         if not measured or None in accepted.values():
             return rung
+        if self._chain.stale(rung.steps, self.params.reexplore_every):
+            return rung  # this batch refreshes every depth
         state = self._buckets.setdefault(bucket, Bucket())
         state.chain = fastest_chain(accepted, measured, state.chain, SWITCH_MARGIN)
         return state.chain
