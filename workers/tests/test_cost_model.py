@@ -493,6 +493,8 @@ def test_ratio_on_line_interpolates_and_extends_the_last_segment():
     assert ratio_on_line(points, 4) == pytest.approx(3.0)
     assert ratio_on_line(points, 7) == pytest.approx(4.5)
     assert ratio_on_line([(0, 1.0), (5, 2.0)], 3) == pytest.approx(1.6)
+    # past a falling last segment (noise), a longer chain costs what the last one does
+    assert ratio_on_line([(0, 1.0), (1, 1.6), (2, 1.2)], 5) == pytest.approx(1.2)
 
 
 def chain_costs(fixed: float):

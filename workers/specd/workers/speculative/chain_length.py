@@ -30,12 +30,13 @@ def shorter_chains(rung: Rung) -> list[Rung]:
 def ratio_on_line(points: Sequence[tuple[int, float]], steps: int) -> float:
     """A chain of ``steps``' cost ratio to plain on the broken line through ``points``
     ((steps, ratio), ascending, from (0, 1.0): plain), past the last one along the last
-    segment: a verify's step time grows about linearly with its draft steps."""
+    segment, never falling (a longer chain does not cost less; noisy ratios may say
+    so): a verify's step time grows about linearly with its draft steps."""
     for (s0, r0), (s1, r1) in itertools.pairwise(points):
         if steps <= s1:
             return r0 + (r1 - r0) * (steps - s0) / (s1 - s0)
     (s0, r0), (s1, r1) = points[-2], points[-1]
-    return r1 + (r1 - r0) * (steps - s1) / (s1 - s0)
+    return r1 + max(r1 - r0, 0.0) * (steps - s1) / (s1 - s0)
 
 
 def fastest_chain(
