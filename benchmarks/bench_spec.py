@@ -4,8 +4,9 @@
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
 ``specd-chain-steps`` is the chain with ``policy.costModel.chooseSteps`` (the cost model
-may also run it shorter, per batch size).  ``specd-ngram-*`` and ``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt
-lookup, no draft model; the peer of ``transformers-pld``) and SUFFIX drafting (which also
+may also run it shorter, per batch size).  ``specd-ngram-*`` and ``specd-suffix-*`` run
+the same shapes with NGRAM drafting (prompt lookup, no draft model; the peer of
+``transformers-pld``) and SUFFIX drafting (which also
 proposes the replica's earlier outputs: the untimed warm-up run fills its cache, as a
 workload that repeats itself would).
 

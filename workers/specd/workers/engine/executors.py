@@ -171,12 +171,15 @@ def prefill_catch_up_seconds(seconds: float, tokens: int, prefill_tokens: int) -
     return seconds * min(prefill_tokens, tokens) / tokens
 
 
-def spec_graph_rungs(speculative: SpeculativeSpec, policy: SpecPolicy | None = None) -> list[Rung]:
+def spec_graph_rungs(
+    speculative: SpeculativeSpec, spec_policy: SpecPolicy | None = None
+) -> list[Rung]:
     """The rungs a speculative engine may run, so captures graphs for: its ladder, the
-    shorter chains its cost model may choose (``policy``'s, ``CostModel.chain_candidates``),
-    and the plain rung when the policy may run a batch plain (cost model or threshold)."""
+    shorter chains its cost model may choose (``spec_policy``'s,
+    ``CostModel.chain_candidates``), and the plain rung when the policy may run a batch
+    plain (cost model or threshold)."""
     rungs = list(speculative.ladder)
-    model = None if policy is None else policy.cost_model
+    model = None if spec_policy is None else spec_policy.cost_model
     if model is not None:
         for rung in speculative.ladder:
             rungs += [c for c in model.chain_candidates(rung) if c not in rungs]

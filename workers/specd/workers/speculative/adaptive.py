@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specd.workers.rung import PLAIN, PlainReason, Rung
-from specd.workers.speculative.cost_model import CostModel, Ema, with_reason
+from specd.workers.speculative.acceptance import Ema
+from specd.workers.speculative.cost_model import CostModel, with_reason
 
 
 def chooses_chain_steps(speculative, draft_free: bool) -> bool:
@@ -199,10 +200,12 @@ class SpecPolicy:
         """Whether ``rung`` is a shorter chain the cost model chose in place of the
         active one (``CostModel.choose_chain``): its acceptance per step is higher than
         the active rung's, so the adaptive controller must not read it as the ladder's."""
-        if self.cost_model is None or not self.cost_model.chooses_steps:
-            return False
         active = self.active
-        return rung.topk == 1 and active.topk == 1 and 0 < rung.steps < active.steps
+        return (
+            self.cost_model is not None
+            and rung != active
+            and rung in self.cost_model.chain_candidates(active)
+        )
 
     def observe_shadow(
         self, rung: Rung, accepted: Sequence[int], rids: Sequence[str | None]

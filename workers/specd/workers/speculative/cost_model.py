@@ -426,11 +426,6 @@ class CostModel:
             return PLAIN, PlainReason.END  # this batch only: its requests end first
         return with_reason(best)
 
-    @property
-    def chooses_steps(self) -> bool:
-        """Whether a chain also weighs its shorter chains (``chain_steps``)."""
-        return self._chain is not None
-
     def chain_candidates(self, rung: Rung) -> list[Rung]:
         """The speculating rungs a batch offered ``rung`` may run: every chain of 1 to
         its steps where ``chain_steps`` holds and it is a chain, else ``rung`` alone."""
@@ -445,18 +440,18 @@ class CostModel:
         ``reexploreEvery`` verifies (``ChainAcceptance.stale``); the last choice stays
         unless another is ``SWITCH_MARGIN`` ahead."""
         candidates = self.chain_candidates(rung)
-        if len(candidates) == 1:
-            return rung
+        if len(candidates) == 1 or self._chain.stale(rung.steps, self.params.reexplore_every):
+            return rung  # a stale chain: this batch refreshes every depth
         accepted = {c: self.accepted_drafts(c) for c in candidates}
+        if None in accepted.values():
+            return rung
         measured = {}
         for c in candidates:
             spec, plain = self.costs(bucket, c)
             if spec is not None and plain is not None:
                 measured[c.steps] = spec / plain
-        if not measured or None in accepted.values():
+        if not measured:
             return rung
-        if self._chain.stale(rung.steps, self.params.reexplore_every):
-            return rung  # this batch refreshes every depth
         state = self._buckets.setdefault(bucket, Bucket())
         state.chain = fastest_chain(accepted, measured, state.chain, SWITCH_MARGIN)
         return state.chain
