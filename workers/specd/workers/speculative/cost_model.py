@@ -101,9 +101,9 @@ def typical(seconds: Sequence[float]) -> float:
     three is two such steps away from deciding: two slow verifies at the end of batch 1's
     exploration sent a 1.6x speculation to plain until its next rerun.  Nor is the
     fastest the cost: at a held 32 on the demo pair a verify's 85 ms and more are many
-    short kernels that the neighbours' noise meets, and the fastest of three sat 10-13%
-    below the mean of its steps where plain's sat 2% below, so a chain no faster than
-    plain per token kept winning."""
+    short kernels that the neighbours' noise meets, and the fastest of three sat 9-12%
+    below the mean of its steps (plain's 9% below to 1% above), so a chain no faster
+    than plain per token kept winning."""
     fastest = min(seconds)
     return statistics.median([s for s in seconds if s <= OUTLIER_FACTOR * fastest])
 
