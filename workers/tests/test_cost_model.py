@@ -93,8 +93,9 @@ def test_a_rung_costs_what_its_steps_typically_take_not_their_fastest():
 def speculated_share(per_token_ratio: float, seed: int, steps: int = 600) -> float:
     """The share of ``steps`` decisions at batch 32 that speculate, for a 5-step chain
     whose verify costs ``per_token_ratio`` x plain's step per token it makes on average,
-    its steps with the spread measured at a held 32 on the demo pair (their mean 13%
-    over the fastest, plain's 2%; exponential, seeded)."""
+    its steps spread as traced at a held 32 on the demo pair (a verify's fastest of
+    three 9-12% under its mean), modelled as exponential noise over the fastest with a
+    mean of 13% for verifies and 2% for plain steps (seeded)."""
     rng = random.Random(seed)
     chain, plain_cost, accepted = Rung(5, 1, 6), 0.00075, 2.9
     verify_cost = per_token_ratio * plain_cost * (1 + accepted) * 1.02 / 1.13
@@ -113,18 +114,18 @@ def speculated_share(per_token_ratio: float, seed: int, steps: int = 600) -> flo
 
 
 @pytest.mark.parametrize(
-    "per_token_ratio,mean_share,max_share", [(1.05, 0.35, 1.0), (1.11, 0.05, 0.2)]
+    "per_token_ratio,mean_share,median_share", [(1.05, 0.35, 0.2), (1.11, 0.05, 0.05)]
 )
 def test_a_chain_a_little_slower_than_plain_does_not_keep_the_batch(
-    per_token_ratio, mean_share, max_share
+    per_token_ratio, mean_share, median_share
 ):
     """The verify's noisier steps do not buy it the batch.  With each rung costing its
     fastest recent step and a band on both sides of a tie, a chain 5% slower per token
-    than plain speculated in 70% of the decisions (mean of 30 seeds), one 11% slower in
-    18%, and in 99% for some seeds (now 19% and 1%, at most 5%)."""
+    than plain speculated in 70% of the decisions (mean of 30 seeds; median 99%), one
+    11% slower in 18% (now 19%, median 12%, and 1%)."""
     shares = [speculated_share(per_token_ratio, seed) for seed in range(30)]
     assert statistics.fmean(shares) < mean_share
-    assert max(shares) < max_share
+    assert statistics.median(shares) < median_share
 
 
 def test_a_chain_faster_than_plain_keeps_the_batch():
