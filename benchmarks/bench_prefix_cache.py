@@ -11,16 +11,23 @@ the idle sessions then hold is reported too.
     python benchmarks/bench_prefix_cache.py [--target examples/models/demo-target]
         [--prefix-len 768] [--suffix-len 16] [--requests 8] [--new-tokens 16]
         [--draft examples/models/demo-eagle] [--sessions]
+
+``--evictions`` times the trie alone instead: a pool of each ``--pool-tokens`` size
+filled with cached 128-token prompts at ``--page-size``, then one-page evictions, as a
+full pool's decode steps make them (microseconds each).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import time
 
 from specd.devtools.testing import DEMO_TARGET, demo_prompts, start_engine, wait_idle
+from specd.workers.mem_cache.allocator import PagedTokenAllocator
+from specd.workers.mem_cache.prefix_cache import PrefixCache
 from specd.workers.types import GenerateRequest, SamplingParams
 
 
@@ -61,6 +68,26 @@ def run_round(engine, prompts, new_tokens: int, tag: str, sessions: bool = False
     return results, seconds, held
 
 
+def time_evictions(pool_tokens: int, page_size: int, evictions: int = 2000) -> None:
+    """A pool full of cached prompts, then ``evictions`` one-page evictions each
+    followed by the allocation that needed it; prints microseconds per eviction."""
+    allocator = PagedTokenAllocator(pool_tokens // page_size, page_size)
+    cache = PrefixCache(allocator)
+    rng = random.Random(0)
+    pages_per_prompt = 128 // page_size
+    while allocator.num_free_pages >= pages_per_prompt:
+        tokens = [rng.randrange(8192) for _ in range(pages_per_prompt * page_size)]
+        cache.insert(tokens, allocator.alloc_pages(pages_per_prompt))
+    cached, start = cache.num_pages, time.perf_counter()
+    for _ in range(evictions):
+        cache.evict(1)
+        allocator.alloc_pages(1)
+    per = (time.perf_counter() - start) / evictions * 1e6
+    print(
+        f"pool {pool_tokens} tokens, page {page_size}: {cached} cached pages, {per:.1f} us per eviction"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=DEMO_TARGET)
@@ -74,7 +101,13 @@ def main() -> None:
     ap.add_argument(
         "--sessions", action="store_true", help="each prompt opens its own streaming session"
     )
+    ap.add_argument("--evictions", action="store_true", help="time the trie's evictions alone")
+    ap.add_argument("--pool-tokens", type=int, nargs="+", default=[32768, 262144])
     args = ap.parse_args()
+    if args.evictions:
+        for tokens in args.pool_tokens:
+            time_evictions(tokens, args.page_size)
+        return
 
     text = demo_prompts(1, args.prefix_len + args.requests * args.suffix_len)[0]
     prefix, rest = text[: args.prefix_len], text[args.prefix_len :]

@@ -6,6 +6,7 @@ paged tree), the hits show in usage and metrics, and a small pool evicts cleanly
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -100,6 +101,65 @@ def test_eviction_takes_least_recently_used_leaves_and_spares_borrowed_pages():
     cache.unlock(borrowed)
     assert cache.evict(10) == 2 and allocator.num_free_pages == 6
     cache.check_integrity()
+
+
+def test_eviction_follows_the_lru_rule_through_random_use():
+    """Random inserts, matches, borrows and evictions on a page-size-1 trie: each page
+    the heap evicts is a least recently used unborrowed leaf, as a walk of the whole
+    trie would pick, and the heap stays within its bound."""
+    rng = random.Random(7)
+    cache, allocator = cache_with_pages(num_pages=400, page_size=1)
+    borrowed = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35:
+            tokens = [rng.randrange(4) for _ in range(rng.randint(1, 12))]
+            pages = allocator.alloc_pages(len(tokens))
+            if pages is not None:
+                allocator.free(cache.insert(tokens, pages))
+        elif op < 0.6:
+            prefix = cache.match([rng.randrange(4) for _ in range(8)])
+            if prefix and rng.random() < 0.5:
+                cache.lock(prefix)
+                borrowed.append(prefix)
+        elif op < 0.75 and borrowed:
+            cache.unlock(borrowed.pop(rng.randrange(len(borrowed))))
+        else:
+            eligible = {
+                (n.last_used, n.page) for n in cache._nodes() if not n.children and not n.lock_ref
+            }
+            before = set(cache.pages())
+            if cache.evict(1):
+                (gone,) = before - set(cache.pages())
+                oldest = min(used for used, _ in eligible)
+                assert (oldest, gone) in eligible  # a least recently used leaf
+            else:
+                assert not eligible
+        assert len(cache._evictable) <= 2 * cache.num_pages + 65
+        cache.check_integrity()
+
+
+def test_a_prefix_matched_again_and_again_keeps_the_heap_bounded():
+    """Each match offers its last page anew; the stale entries are dropped by a rebuild
+    once they make the heap twice the trie, and eviction order survives it."""
+    cache, allocator = cache_with_pages(num_pages=8, page_size=1)
+    cache.insert([1, 2], allocator.alloc_pages(2))
+    cache.insert([3, 4], allocator.alloc_pages(2))
+    for _ in range(500):
+        cache.match([1, 2])
+        assert len(cache._evictable) <= 2 * cache.num_pages + 65
+    cache.check_integrity()
+    assert cache.evict(2) == 2  # [3 4] was used least recently: its leaf, then its root
+    assert len(cache.match([1, 2])) == 2 and not cache.match([3, 4])
+
+
+def test_the_integrity_check_sees_an_evictable_page_missing_from_the_heap():
+    cache, allocator = cache_with_pages()
+    cache.insert([1, 1, 2, 2], allocator.alloc_pages(2))
+    cache.check_integrity()
+    cache._evictable.clear()
+    with pytest.raises(AssertionError, match="not in the heap"):
+        cache.check_integrity()
 
 
 def test_unbalanced_unlock_is_caught():
