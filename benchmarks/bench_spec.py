@@ -6,8 +6,8 @@ every batch (``policy.costModel.enabled: false``), the behaviour before it.
 ``specd-chain-steps`` is the chain with ``policy.costModel.chooseSteps`` (the cost model
 may also run it shorter, per batch size).  ``specd-chain-baseline`` (with
 ``--baseline-tree``) is the chain run by another checkout of specd, so that a change to
-the engine is measured against the code before it in one run.  ``specd-ngram-*`` and ``specd-suffix-*`` run
-the same shapes with NGRAM drafting (prompt lookup, no draft model; the peer of
+the engine is measured against the code before it in one run.  ``specd-ngram-*`` and
+``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt lookup, no draft model; the peer of
 ``transformers-pld``) and SUFFIX drafting (which also
 proposes the replica's earlier outputs: the untimed warm-up run fills its cache, as a
 workload that repeats itself would).
