@@ -16,14 +16,16 @@ if [[ "${1:-}" != "--all" ]]; then
 fi
 shift
 # --all: the default suite, then a second pass with the slow tests (and the gpu ones
-# where CUDA exists), one at a time: some time a stall or compare latencies. Both passes
-# run even if the first fails, so one CI log shows every failure.
+# where CUDA exists) on the same two workers, then the `serial` ones (they time a stall
+# or a probe) one at a time. Every pass runs even if one fails, so one CI log shows
+# every failure.
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  second="slow or gpu"
+  second="(slow or gpu)"
 else
-  second="slow and not gpu"
+  second="(slow and not gpu)"
 fi
 failed=0
 python3 -m pytest -m "$default" "${parallel[@]}" "$@" || failed=1
-python3 -m pytest -m "$second" "$@" || failed=1
+python3 -m pytest -m "$second and not serial" "${parallel[@]}" "$@" || failed=1
+python3 -m pytest -m "$second and serial" "$@" || failed=1
 exit "$failed"

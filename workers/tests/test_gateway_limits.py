@@ -129,6 +129,7 @@ PROBE_P90_S = {"/health": 0.5, "/version": 0.5, "/metrics": 1.0}
 
 
 @pytest.mark.slow  # in CI's second pass: keeps the default suite under 15 minutes
+@pytest.mark.serial  # times the probes: a second test file beside it would be timed too
 def test_health_answers_while_big_prompts_are_tokenized(gateway):
     """Ten concurrent 2 MB chat prompts (templated, tokenized, then refused for the
     context length): /health, /version and /metrics answer meanwhile."""

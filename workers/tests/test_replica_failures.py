@@ -286,6 +286,7 @@ def _wait_sync(predicate, timeout_s: float, what: str):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # times /health turning 503 within a second
 def test_health_is_503_once_an_engine_loop_dies_and_its_leak_failures_stay(failing_gateway):
     url, pool = failing_gateway.url, failing_gateway.pool
     deaths_before = _counter(url, "specd_replica_deaths_total", reason="engine_error")
