@@ -3,8 +3,12 @@
 ``specd-chain`` and ``specd-tree`` run the default policy (the cost model picks
 speculation or plain decode per batch); ``-always`` runs of the same shapes speculate on
 every batch (``policy.costModel.enabled: false``), the behaviour before it.
-``specd-chain-steps`` is the chain with ``policy.costModel.chooseSteps`` (the cost model
-may also run it shorter, per batch size).  ``specd-chain-baseline`` (with
+``specd-chain-plain`` is the chain's engine told to run every batch of more than one
+request plain (``maxBatchForSpec: 1``): beside ``specd``, what the speculative engine
+pays to stay ready to speculate (its draft reads every prompt, plain tokens wait in its
+backlog) when it does not.  ``specd-chain-steps`` is the chain with
+``policy.costModel.chooseSteps`` (the cost model may also run it shorter, per batch
+size).  ``specd-chain-baseline`` (with
 ``--baseline-tree``) is the chain run by another checkout of specd, so that a change to
 the engine is measured against the code before it in one run.  ``specd-ngram-*`` and
 ``specd-suffix-*`` run the same shapes with NGRAM drafting (prompt lookup, no draft model; the peer of
@@ -70,9 +74,12 @@ def spec_fields(
     token_map: str | None = None,
     draft_dtype: str = "auto",
     choose_steps: bool = False,
+    never: bool = False,
 ) -> str:
     speculative = {"numSteps": steps, "topk": topk, "numDraftTokens": tokens}
-    if not cost_model:  # always speculate: the policy before the cost model
+    if never:  # every batch plain (maxBatchForSpec 1): what the engine pays to be ready
+        speculative["policy"] = {"maxBatchForSpec": 1}
+    elif not cost_model:  # always speculate: the policy before the cost model
         speculative["policy"] = {"costModel": {"enabled": False}}
     elif choose_steps:  # a chain may also run shorter, per batch size
         speculative["policy"] = {"costModel": {"chooseSteps": True}}
@@ -231,6 +238,10 @@ def main(argv=None):
         Worker(
             "specd", py, args.target, "float32", max_batch, "specd-chain-steps",
             eagle_fields(*chain_shape, choose_steps=True),
+        ),
+        Worker(
+            "specd", py, args.target, "float32", max_batch, "specd-chain-plain",
+            eagle_fields(*chain_shape, never=True),
         ),
     ]  # fmt: skip
     for name, shape in (("specd-chain-always", chain_shape), ("specd-tree-always", tree_shape)):

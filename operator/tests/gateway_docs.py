@@ -42,7 +42,7 @@ def actor(
             "rung_changes": 0,
             "max_batch_for_spec": None,
             "cost_model": None,
-            "plain_steps": {"rung": 0, "load": 0, "cost": 0, "end": 0, "request": 0},
+            "plain_steps": {"rung": 0, "load": 0, "cost": 0, "end": 0, "lockstep": 0, "request": 0},
         }
     load = replica_status(
         name,

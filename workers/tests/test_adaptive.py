@@ -417,7 +417,7 @@ def test_load_policy_runs_large_batches_plain(pair, reference, overlap):
             for rung, by_load, grants in seen
         )
         plain = engine.status().adaptive.plain_steps.model_dump()
-        assert plain == {"rung": 0, "load": load, "cost": 0, "end": 0, "request": 0}
+        assert plain == {"rung": 0, "load": load, "cost": 0, "end": 0, "lockstep": 0, "request": 0}
         assert metric_value(engine, "specd_leak_checks_total", result="fail") == 0
         check_widest_allocation(engine, seen, narrow=overlap)  # sync: no plain verify
     finally:

@@ -287,7 +287,7 @@ def test_speculation_summary_reads_the_admin_status_contract(bench):
                 CostBucket(max_batch=1, decisions=0, best_steps=None, rungs=(rung,)),
             ),
         ),
-        plain_steps=PlainSteps(rung=0, load=0, cost=70, end=4, request=0),
+        plain_steps=PlainSteps(rung=0, load=0, cost=70, end=4, lockstep=0, request=0),
     )  # fmt: skip
     totals = SpeculationTotals(verify_steps=50, draft_tokens=250, accepted_tokens=100)
     actors = [

@@ -47,6 +47,7 @@ from specd.workers.speculative.cost_model import (
 )
 from specd.workers.speculative.decoder import DraftState
 from specd.workers.speculative.deferred_extend import CATCH_UP_AT
+from specd.workers.speculative.lockstep import LOCKSTEP_MARGIN, in_lockstep
 from specd.workers.types import FinishReason, GenerateRequest, SamplingParams
 
 CHAIN = Rung(3, 1, 4)
@@ -461,8 +462,70 @@ def test_a_loser_is_rerun_whatever_the_tokens_left():
 
     for _ in range(6):  # explorations
         drive(model, 8, costs, accepted=2.0)
-    runs = [model.choose(8, CHAIN, 0.0, [1] * 8)[0] for _ in range(5)]
+    near_ends = [1, 1, 1, 1, 1, 2, 3, 4]  # not in lockstep (which defers the rerun)
+    runs = [model.choose(8, CHAIN, 0.0, near_ends)[0] for _ in range(5)]
     assert runs == [PLAIN] * 3 + [CHAIN] + [PLAIN]  # the rerun at the 4th decision
+
+
+@pytest.mark.parametrize(
+    "tokens_left,lockstep",
+    [
+        ((), False),  # not known
+        ((40,) * 3, False),  # too few to spread: a verify ends three at most 3 steps apart
+        ((40,) * 4, True),
+        ((40, 41, 42, 43) * 8, True),  # a batch of 32 admitted over four prefill chunks
+        (tuple(range(40, 72)), False),  # a served load: every request ends on its own step
+        ((*range(40, 49),) * 3 + (40,) * 5, False),  # 9 ends for 32: more than one per 4
+    ],
+)
+def test_a_batch_is_in_lockstep_when_its_requests_end_in_few_steps(tokens_left, lockstep):
+    assert in_lockstep(tokens_left) is lockstep
+
+
+def lead_model(lead: float, reexplore_every: int = 64) -> CostModel:
+    """A cost model that has measured batches of 8 and found speculation (3 accepted
+    drafts, so 4 tokens a verify) ``lead`` times as fast as plain decoding."""
+    model = CostModel(CostModelSpec(reexplore_every=reexplore_every))
+
+    def costs(size, rung):
+        return size * (0.040 / lead if rung.speculates else 0.010)
+
+    for _ in range(7):  # explorations, then decisions
+        drive(model, 8, costs, accepted=3.0)
+    return model
+
+
+@pytest.mark.parametrize("lead", [1.10, 2.0])
+def test_a_batch_in_lockstep_speculates_only_for_a_clear_lead(lead):
+    """Speculating spreads a lockstep batch's ends for good, which its step time does
+    not show: under ``LOCKSTEP_MARGIN`` of lead the batch stays plain (``LOCKSTEP``),
+    and the bucket's winner stays speculation for batches whose ends are spread."""
+    model = lead_model(lead)
+    predicted = model.predicted_tokens_per_second(8, CHAIN) / model.predicted_tokens_per_second(
+        8, PLAIN
+    )
+    assert predicted == pytest.approx(lead)
+    clear = lead >= 1.0 + LOCKSTEP_MARGIN
+    lockstep, spread = [50] * 8, list(range(50, 58))
+    assert model.choose(8, CHAIN, 0.0, lockstep) == (
+        (CHAIN, None) if clear else (PLAIN, PlainReason.LOCKSTEP)
+    )
+    assert model.choose(8, CHAIN, 0.0, spread) == (CHAIN, None)
+    assert model.status()["buckets"][0]["best_steps"] == CHAIN.steps
+
+
+def test_a_batch_in_lockstep_defers_a_speculating_rerun():
+    """Plain wins on costs: a speculating rerun, due after reexploreEvery decisions,
+    waits while the batch decodes in lockstep and runs on the first batch that does
+    not; a plain rerun (of a speculating winner) spreads nothing and is not held."""
+    model = lead_model(0.5, reexplore_every=4)
+    lockstep, spread = [50] * 8, list(range(50, 58))
+    assert [model.choose(8, CHAIN, 0.0, lockstep)[0] for _ in range(12)] == [PLAIN] * 12
+    assert model.choose(8, CHAIN, 0.0, spread)[0] == CHAIN  # the rerun that waited
+
+    model = lead_model(2.0, reexplore_every=4)
+    runs = [model.choose(8, CHAIN, 0.0, lockstep) for _ in range(8)]
+    assert (PLAIN, PlainReason.COST) in runs  # plain reran, in lockstep too
 
 
 def test_policy_cost_model_and_its_override():

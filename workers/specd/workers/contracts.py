@@ -85,6 +85,7 @@ class PlainSteps(_Contract):
     load: int  # policy.maxBatchForSpec
     cost: int  # the cost model (its explorations of plain included)
     end: int  # the cost model: the batch's requests end before a verify pays
+    lockstep: int  # the cost model: they decode in lockstep, speculation leads by little
     request: int  # a request of the batch opted out (``speculative: false``)
 
 

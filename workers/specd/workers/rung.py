@@ -38,4 +38,5 @@ class PlainReason(StrEnum):
     LOAD = "load"  # the batch has more requests than policy.maxBatchForSpec
     COST = "cost"  # the cost model predicts more tokens/s from plain decode, or explores it
     END = "end"  # the batch's requests end before a verify's extra tokens pay for it
+    LOCKSTEP = "lockstep"  # its requests decode in lockstep, and speculation's lead is small
     REQUEST = "request"  # a request of the batch asked for none (``speculative: false``)

@@ -80,6 +80,7 @@ from specd.workers.speculative.acceptance import (
     acceptance_known,
 )
 from specd.workers.speculative.chain_length import fastest_chain, shorter_chains
+from specd.workers.speculative.lockstep import LOCKSTEP_MARGIN, in_lockstep
 
 FIRST_SAMPLES_DROPPED = 1  # step times per (bucket, rung) dropped as warm-up
 MIN_SAMPLES = 2  # step times per (bucket, rung) before its cost counts
@@ -400,7 +401,9 @@ class CostModel:
         ``backlog`` tokens the draft has not read and may each produce ``tokens_left``
         more (empty: not known); ``rids``: theirs, for their own acceptance where it is
         kept (``own_accepted``).  Plain is ``END`` when the batch runs plain only because
-        its requests are near their ends, else ``COST``."""
+        its requests are near their ends, ``LOCKSTEP`` when only because they decode in
+        lockstep (`in_lockstep`) and speculation leads by less than ``LOCKSTEP_MARGIN``,
+        else ``COST``."""
         bucket = batch_bucket(batch_size)
         rung = self.choose_chain(bucket, rung)
         own = self.own_accepted(rids, rung)
@@ -418,12 +421,15 @@ class CostModel:
             state.interval = every
         state.best = best
         state.decisions += 1
-        if self.rerun_loser(state, loser, backlog):
+        lockstep = in_lockstep(tokens_left)
+        if self.rerun_loser(state, loser, backlog, lockstep):
             state.last_rerun = state.decisions
             state.interval = min(2 * (state.interval or every), MAX_BACKOFF * every)
             return self._explore(loser)
         if best.speculates and self.near_their_ends(bucket, rung, plain, tokens_left, own):
             return PLAIN, PlainReason.END  # this batch only: its requests end first
+        if best.speculates and lockstep and speculated < plain * (1.0 + LOCKSTEP_MARGIN):
+            return PLAIN, PlainReason.LOCKSTEP  # this batch only: kept in lockstep
         return with_reason(best)
 
     def chain_candidates(self, rung: Rung) -> list[Rung]:
@@ -473,17 +479,22 @@ class CostModel:
         capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left, own=own)
         return capped is not None and capped < plain
 
-    def rerun_loser(self, state: Bucket, loser: Rung, backlog: float) -> bool:
+    def rerun_loser(
+        self, state: Bucket, loser: Rung, backlog: float, lockstep: bool = False
+    ) -> bool:
         """Whether the loser runs once more: ``reexploreEvery`` decisions after the
         winner last changed, then twice as long after each rerun it lost (up to
         ``MAX_BACKOFF`` times), since a rerun of a speculating loser at a large batch
         can cost several plain steps.  A speculating loser also waits for a batch whose
         backlog is short (up to as long again): speculating makes the draft read every
-        request's backlog first."""
+        request's backlog first; and for one not in ``lockstep`` (`in_lockstep`),
+        which one verify would spread."""
         since = state.decisions - state.last_rerun
         interval = state.interval or self.params.reexplore_every
         if not loser.speculates:
             return since >= interval
+        if lockstep:
+            return False
         return since >= 2 * interval or (since >= interval and backlog <= SHORT_BACKLOG)
 
     def _explore(self, rung: Rung) -> tuple[Rung, PlainReason | None]:
