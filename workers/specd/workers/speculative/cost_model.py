@@ -31,7 +31,8 @@ where a request's tokens left are its ``max_tokens`` less its output so far: a v
 tokens past them are dropped, so a request one or two tokens from its end gains nothing
 from a deep tree (``tokens_per_verify``, averaged over the batch).  The bucket decides
 on the uncapped predictions (its winner, margin and reruns are about the rungs' costs);
-a batch whose capped gain then falls below plain's runs plain alone (``near_their_ends``).
+a batch whose capped gain then falls below plain's runs plain alone (``near_their_ends``),
+and so does a batch in lockstep whose lead is under ``LOCKSTEP_MARGIN`` (``lockstep.py``).
 
 and a batch runs the candidate with the higher prediction.  The candidates are the rung
 the ladder offers (the adaptive controller's active rung, or the one configured) and the
@@ -479,9 +480,7 @@ class CostModel:
         capped = self.predicted_tokens_per_second(bucket, rung, tokens_left=tokens_left, own=own)
         return capped is not None and capped < plain
 
-    def rerun_loser(
-        self, state: Bucket, loser: Rung, backlog: float, lockstep: bool = False
-    ) -> bool:
+    def rerun_loser(self, state: Bucket, loser: Rung, backlog: float, lockstep: bool) -> bool:
         """Whether the loser runs once more: ``reexploreEvery`` decisions after the
         winner last changed, then twice as long after each rerun it lost (up to
         ``MAX_BACKOFF`` times), since a rerun of a speculating loser at a large batch
